@@ -1,0 +1,1 @@
+"""ganpipe: a declarative, reproducible GAN training pipeline."""

@@ -1,0 +1,211 @@
+"""Build the train and val LMDB databases from a source, atomically.
+
+Both databases are built in temporary folders beside their final paths and renamed into
+place only when both are complete (meta record written and synced). An interrupted run
+(even SIGKILL) leaves the previous outputs untouched; its leftovers are temporary folders,
+which readers refuse (no meta record) and the next run deletes.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from ganpipe.data import convert
+from ganpipe.data.sources import Listing, list_source
+from ganpipe.data.store import FORMAT, FORMAT_VERSION, LmdbWriter
+from ganpipe.params import DataParams
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "val")
+#: Below this many files the process pool costs more than it saves.
+PARALLEL_MIN_FILES = 512
+TMP_MARK = ".tmp-"
+OLD_MARK = ".old-"
+
+
+@dataclass
+class PrepareReport:
+    """What a prepare run produced."""
+
+    counts: dict[str, int]
+    skipped: list[dict[str, str]]
+    images_per_s: float
+    meta: dict[str, dict[str, Any]]
+
+
+def split_indices(num_items: int, val_fraction: float, seed: int) -> np.ndarray:
+    """Boolean mask of the items that go to val: ``round(n * val_fraction)`` chosen by seed.
+
+    The split is drawn over the listed items before decoding, so a skipped bad image does
+    not move any other image between splits.
+    """
+    num_val = round(num_items * val_fraction)
+    order = np.random.default_rng(seed).permutation(num_items)
+    is_val = np.zeros(num_items, dtype=bool)
+    is_val[order[:num_val]] = True
+    return is_val
+
+
+def _decode_or_reason(item, image_size: int, channels: int):  # noqa: ANN001, ANN202
+    try:
+        return convert.decode(item, image_size, channels), None
+    except convert.BadImageError as exc:
+        return None, exc.reason
+
+
+def _decoded(listing: Listing, image_size: int, channels: int, workers: int) -> Iterator:
+    """Yield ``(pixels or None, reason)`` per item, in listing order."""
+    items = zip(listing.names, listing.payloads, strict=True)
+    work = partial(_decode_or_reason, image_size=image_size, channels=channels)
+    files = sum(1 for p in listing.payloads if isinstance(p, Path))
+    if workers > 1 and files >= PARALLEL_MIN_FILES:
+        # fork: workers only need Pillow and numpy, and start in milliseconds.
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            yield from pool.imap(work, items, chunksize=32)
+    else:
+        yield from map(work, items)
+
+
+def _clear_leftovers(out_dir: Path) -> None:
+    for split in SPLITS:
+        for stale in out_dir.glob(f".{split}.lmdb*"):
+            if TMP_MARK in stale.name or OLD_MARK in stale.name:
+                shutil.rmtree(stale, ignore_errors=True)
+
+
+def _swap_into_place(built: dict[str, Path], out_dir: Path) -> None:
+    """Move the finished databases to their final names, then delete the previous ones."""
+    old = []
+    for split, tmp in built.items():
+        final = out_dir / f"{split}.lmdb"
+        if final.exists():
+            aside = out_dir / f".{split}.lmdb{OLD_MARK}{os.getpid()}"
+            final.rename(aside)
+            old.append(aside)
+        tmp.rename(final)
+    for aside in old:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def prepare_dataset(
+    data: DataParams,
+    seed: int,
+    out_dir: Path,
+    root: Path = Path("."),
+    workers: int | None = None,
+    initial_map_size: int | None = None,
+    progress: bool = True,
+) -> PrepareReport:
+    """Read ``data.source``, convert every image and write ``train.lmdb`` and ``val.lmdb``.
+
+    Args:
+        data: The ``data`` section of params.
+        seed: Base seed; it alone chooses the train/val split.
+        out_dir: Folder receiving ``train.lmdb`` and ``val.lmdb``.
+        root: Folder that relative ``data.path`` values are resolved against.
+        workers: Decoding processes for image folders (default: all cores).
+        initial_map_size: LMDB map size to start from (grows on demand); default estimated.
+        progress: Show a progress bar.
+
+    Raises:
+        SourceError: the source cannot be read.
+        BadImageError: an image cannot be decoded and ``data.on_bad_image`` is ``error``.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _clear_leftovers(out_dir)
+    path = None if data.path is None else (root / data.path)
+    listing = list_source(data.source, path, allow_empty_classes=data.on_bad_image == "skip")
+    is_val = split_indices(len(listing), data.val_fraction, seed)
+    if data.val_fraction > 0 and not is_val.any():
+        log.warning("data.val_fraction=%s of %d images rounds to 0 val images",
+                    data.val_fraction, len(listing))
+    if is_val.all():
+        raise ValueError(
+            f"data.val_fraction={data.val_fraction} leaves no training image out of "
+            f"{len(listing)}; lower it"
+        )
+    workers = workers or os.cpu_count() or 1
+    # Each record takes at least one 4 KiB page; the map grows if this guess is short.
+    record_bytes = data.image_size**2 * data.channels
+    map_size = initial_map_size or max(1 << 20, 2 * len(listing) * (record_bytes + 4096))
+
+    tmp = {s: out_dir / f".{s}.lmdb{TMP_MARK}{os.getpid()}" for s in SPLITS}
+    writers: dict[str, LmdbWriter] = {}
+    skipped: dict[str, list[dict[str, str]]] = {s: [] for s in SPLITS}
+    class_counts = {s: [0] * len(listing.classes) for s in SPLITS}
+    start = time.perf_counter()
+    try:
+        for split in SPLITS:
+            writers[split] = LmdbWriter(tmp[split], map_size=map_size)
+        bar = tqdm(total=len(listing), unit="img", desc="prepare", disable=not progress,
+                   mininterval=0.5, dynamic_ncols=True)
+        with bar:
+            decoded = _decoded(listing, data.image_size, data.channels, workers)
+            for index, (pixels, reason) in enumerate(decoded):
+                split = "val" if is_val[index] else "train"
+                name, label = listing.names[index], listing.labels[index]
+                if pixels is None:
+                    if data.on_bad_image == "error":
+                        raise convert.BadImageError(
+                            name, f"{reason}. Fix or remove the file, or set "
+                            "data.on_bad_image=skip to leave unreadable images out"
+                        )
+                    skipped[split].append({"file": name, "reason": reason})
+                else:
+                    writers[split].add(label, pixels.tobytes())
+                    class_counts[split][label] += 1
+                bar.update()
+        elapsed = time.perf_counter() - start
+        base = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "shape": [data.image_size, data.image_size, data.channels],
+            "dtype": "uint8",
+            "layout": "HWC",
+            "encoding": "raw",
+            "record": "int32 little-endian label, then H*W*C uint8 pixels",
+            "classes": listing.classes,
+            "empty_classes": listing.empty_classes,
+            "source": {"name": data.source, "path": data.path, "listed": len(listing)},
+            "preprocessing": {
+                "resize": "short side to image_size (Pillow bicubic), center crop",
+                "alpha": "composited on black",
+                "high_bit_depth": "scaled by 255/65535",
+                "grayscale": "Pillow L (ITU-R 601-2 luma)",
+                "image_size": data.image_size,
+                "channels": data.channels,
+            },
+            "split_rule": {"seed": seed, "val_fraction": data.val_fraction},
+        }
+        metas = {}
+        for split in SPLITS:
+            metas[split] = {**base, "split": split, "class_counts": class_counts[split],
+                            "skipped": skipped[split]}
+            writers[split].finish(metas[split])
+            metas[split].update(count=writers[split].count,
+                                content_sha256=writers[split].content_sha256)
+        _swap_into_place(tmp, out_dir)
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+    all_skipped = skipped["train"] + skipped["val"]
+    if all_skipped:
+        log.warning("skipped %d unreadable image(s) (listed in the meta records), e.g. %s: %s",
+                    len(all_skipped), all_skipped[0]["file"], all_skipped[0]["reason"])
+    counts = {s: writers[s].count for s in SPLITS}
+    log.info("wrote %s in %.1f s (%.0f images/s)", counts, elapsed, len(listing) / elapsed)
+    return PrepareReport(counts, all_skipped, len(listing) / max(elapsed, 1e-9), metas)

@@ -1,0 +1,46 @@
+"""Exponential moving average of the generator's weights (Karras et al., StyleGAN)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+class EmaGenerator(nn.Module):
+    """A frozen copy of G whose weights trail G's with a half-life in images.
+
+    The running weights are the parameters and buffers of ``self.module``: they move with
+    ``.to()``, live in ``state_dict()`` and cannot pile up outside the module (the
+    classic leak of an average kept as a plain attribute, replicated step after step).
+    """
+
+    def __init__(self, generator: nn.Module, half_life_kimg: float):
+        super().__init__()
+        self.half_life_kimg = half_life_kimg
+        self.module = copy.deepcopy(generator).eval().requires_grad_(False)
+
+    def beta(self, num_images: int) -> float:
+        """Decay for a step of ``num_images``: ``0.5 ** (num_images / half_life_images)``."""
+        if self.half_life_kimg == 0:
+            return 0.0
+        return 0.5 ** (num_images / (self.half_life_kimg * 1000))
+
+    @torch.no_grad()
+    def update(self, generator: nn.Module, num_images: int) -> None:
+        """Move the average towards ``generator`` after a step that showed ``num_images``."""
+        beta = self.beta(num_images)
+        for avg, live in zip(self.module.parameters(), generator.parameters(), strict=True):
+            avg.lerp_(live.detach(), 1.0 - beta)
+        for avg, live in zip(self.module.buffers(), generator.buffers(), strict=True):
+            avg.copy_(live)
+
+    def train(self, mode: bool = True) -> EmaGenerator:
+        """The average is for inference only: its module stays in eval mode."""
+        super().train(mode)
+        self.module.eval()
+        return self
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.module(z)

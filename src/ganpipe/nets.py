@@ -1,0 +1,119 @@
+"""Generator and discriminator families.
+
+DCGAN (Radford et al., 2016, arXiv:1511.06434): a 4x4 core doubled by strided
+(transposed) convolutions up to the image size. At 64 pixels with ``z_dim=100`` and widths
+64 it is the paper's layout (and the PyTorch DCGAN example's). D ends in a raw logit; the
+sigmoid lives in the loss, where it is numerically safe under autocast.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn.utils.parametrizations import spectral_norm
+
+from ganpipe.params import DCGAN_IMAGE_SIZES, ModelParams
+
+
+def _norm(kind: str, channels: int) -> nn.Module:
+    if kind == "batch":
+        return nn.BatchNorm2d(channels)
+    if kind == "instance":
+        return nn.InstanceNorm2d(channels, affine=True)
+    if kind == "layer":
+        # GroupNorm with one group normalises over (C, H, W) per sample: LayerNorm for images.
+        return nn.GroupNorm(1, channels)
+    return nn.Identity()
+
+
+def _conv(kind: str, layer: nn.Module) -> nn.Module:
+    return spectral_norm(layer) if kind == "spectral" else layer
+
+
+def _num_doublings(image_size: int) -> int:
+    if image_size not in DCGAN_IMAGE_SIZES:
+        raise ValueError(f"DCGAN supports image sizes {DCGAN_IMAGE_SIZES}, not {image_size}")
+    return int(math.log2(image_size)) - 2
+
+
+class DcganGenerator(nn.Module):
+    """z ``(N, z_dim)`` -> image ``(N, channels, size, size)`` in [-1, 1]."""
+
+    def __init__(self, z_dim: int, width: int, channels: int, image_size: int, norm: str):
+        super().__init__()
+        self.z_dim = z_dim
+        ups = _num_doublings(image_size)
+        widths = [width * 2 ** (ups - 1 - i) for i in range(ups)]  # e.g. 512, 256, 128, 64
+        bias = norm in ("none", "spectral")  # a bias before a norm layer is redundant
+        layers: list[nn.Module] = [
+            _conv(norm, nn.ConvTranspose2d(z_dim, widths[0], 4, 1, 0, bias=bias)),
+            _norm(norm, widths[0]),
+            nn.ReLU(inplace=True),
+        ]
+        for c_in, c_out in zip(widths, widths[1:], strict=False):
+            layers += [
+                _conv(norm, nn.ConvTranspose2d(c_in, c_out, 4, 2, 1, bias=bias)),
+                _norm(norm, c_out),
+                nn.ReLU(inplace=True),
+            ]
+        layers += [nn.ConvTranspose2d(widths[-1], channels, 4, 2, 1, bias=False), nn.Tanh()]
+        self.main = nn.Sequential(*layers)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.main(z.view(z.shape[0], self.z_dim, 1, 1))
+
+
+class DcganDiscriminator(nn.Module):
+    """image ``(N, channels, size, size)`` -> logit ``(N,)``."""
+
+    def __init__(self, width: int, channels: int, image_size: int, norm: str):
+        super().__init__()
+        downs = _num_doublings(image_size)
+        widths = [width * 2**i for i in range(downs)]  # e.g. 64, 128, 256, 512
+        bias = norm in ("none", "spectral")
+        # No norm on the first layer, as in the paper.
+        layers: list[nn.Module] = [
+            _conv(norm, nn.Conv2d(channels, widths[0], 4, 2, 1, bias=True)),
+            nn.LeakyReLU(0.2, inplace=True),
+        ]
+        for c_in, c_out in zip(widths, widths[1:], strict=False):
+            layers += [
+                _conv(norm, nn.Conv2d(c_in, c_out, 4, 2, 1, bias=bias)),
+                _norm(norm, c_out),
+                nn.LeakyReLU(0.2, inplace=True),
+            ]
+        layers.append(_conv(norm, nn.Conv2d(widths[-1], 1, 4, 1, 0, bias=True)))
+        self.main = nn.Sequential(*layers)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.main(image).flatten()
+
+
+def init_weights(module: nn.Module) -> None:
+    """The DCGAN paper's initialisation: conv N(0, 0.02), norm scale N(1, 0.02), bias 0."""
+    for m in module.modules():
+        if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)):
+            spectral = hasattr(m, "parametrizations")
+            weight = m.parametrizations.weight.original if spectral else m.weight
+            nn.init.normal_(weight, 0.0, 0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, (nn.BatchNorm2d, nn.InstanceNorm2d, nn.GroupNorm)) and m.affine:
+            nn.init.normal_(m.weight, 1.0, 0.02)
+            nn.init.zeros_(m.bias)
+
+
+def build_models(
+    model: ModelParams, image_size: int, channels: int, generator: torch.Generator
+) -> tuple[DcganGenerator, DcganDiscriminator]:
+    """Build and initialise G and D; ``generator`` alone decides the initial weights."""
+    # Spectral norm draws its power-iteration vector at construction: seed that too.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+        g = DcganGenerator(model.z_dim, model.g_width, channels, image_size, model.norm)
+        d = DcganDiscriminator(model.d_width, channels, image_size, model.norm)
+        init_weights(g)
+        init_weights(d)
+    return g, d

@@ -1,0 +1,249 @@
+"""The typed schema of params.yaml, and its only reader.
+
+Every section is a frozen pydantic model with ``extra="forbid"``: a typo is an error that
+names the key. :func:`load_params` collects every problem in the file (unknown keys, wrong
+types, out-of-range values, incompatible combinations) and raises one
+:class:`ParamsError` listing them all with their dotted key paths, before any work starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+#: Image sizes the DCGAN family supports (4x4 core doubled until the output size).
+DCGAN_IMAGE_SIZES = (16, 32, 64)
+
+
+class ParamsError(ValueError):
+    """params.yaml is invalid. ``problems`` holds one ``(dotted_key, message)`` per problem."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]):
+        self.source = source
+        self.problems = problems
+        lines = [f"{source}: {len(problems)} problem(s) in params:"]
+        lines += [f"  - {key}: {message}" for key, message in problems]
+        super().__init__("\n".join(lines))
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True
+    )
+
+
+class DataParams(_Section):
+    """Where the images come from and how they are turned into LMDB."""
+
+    source: Literal["digits", "folder", "cifar10", "mnist"] = "digits"
+    """digits: scikit-learn's bundled 8x8 digits (no files needed); folder: an image folder
+    (class sub-folders or flat); cifar10: the python-batches directory; mnist: IDX files."""
+    path: str | None = None
+    """Folder or files for folder / cifar10 / mnist (relative to the repo root); null for digits."""
+    image_size: int = Field(32, ge=8, le=1024)
+    """Output side length in pixels (resize short side, then center crop)."""
+    channels: Literal[1, 3] = 1
+    """1 (grayscale, ITU-R 601-2 luma) or 3 (RGB)."""
+    val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    """Fraction of the images held out for validation, chosen by ``seed``."""
+    on_bad_image: Literal["error", "skip"] = "error"
+    """error: stop at the first unreadable image, naming it; skip: leave it out and record it."""
+
+    @model_validator(mode="after")
+    def _path_matches_source(self) -> DataParams:
+        if self.source == "digits" and self.path is not None:
+            raise ValueError(
+                f"data.path={self.path!r} is set but data.source=digits reads no files; "
+                "remove data.path or choose data.source folder, cifar10 or mnist"
+            )
+        if self.source != "digits" and not self.path:
+            raise ValueError(
+                f"data.source={self.source} needs data.path (the folder holding the files)"
+            )
+        return self
+
+
+class DevicesParams(_Section):
+    """Where training runs."""
+
+    accelerator: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: CUDA when available, else CPU."""
+    cpu_threads: int = Field(2, ge=1, le=256)
+    """Intra-op threads per process. On CPU the thread count changes the bits of the result,
+    so it is part of the run's configuration."""
+
+
+class DeterminismParams(_Section):
+    """Bit-for-bit reproducibility switches."""
+
+    deterministic: bool = True
+    """torch.use_deterministic_algorithms(True); errors on ops without a deterministic kernel."""
+    cudnn_benchmark: bool = False
+    """cuDNN autotuning: faster convolutions, but the chosen kernel (and the bits) may vary."""
+
+    @model_validator(mode="after")
+    def _benchmark_breaks_determinism(self) -> DeterminismParams:
+        if self.deterministic and self.cudnn_benchmark:
+            raise ValueError(
+                "determinism.cudnn_benchmark=true contradicts determinism.deterministic=true; "
+                "turn one of them off"
+            )
+        return self
+
+
+class ModelParams(_Section):
+    """Generator and discriminator architecture."""
+
+    arch: Literal["dcgan"] = "dcgan"
+    """Network family. DCGAN (Radford et al. 2016) for 16, 32 or 64 pixel images."""
+    z_dim: int = Field(100, ge=1, le=4096)
+    """Latent vector length."""
+    g_width: int = Field(64, ge=1, le=1024)
+    """Channels of the generator's last hidden layer; earlier layers double it."""
+    d_width: int = Field(64, ge=1, le=1024)
+    """Channels of the discriminator's first layer; later layers double it."""
+    norm: Literal["batch", "instance", "layer", "spectral", "none"] = "batch"
+    """Normalisation in G and D hidden layers. batch: BatchNorm (the paper's);
+    instance / layer: per-sample; spectral: spectral norm on every conv instead."""
+
+
+class TrainParams(_Section):
+    """The training run."""
+
+    strategy: Literal["d_first_retain", "d_first_detach", "g_first_detach"] = "d_first_detach"
+    """Update strategy; see README "Update strategies"."""
+    loss: Literal["bce"] = "bce"
+    """bce: D minimises binary cross-entropy, G the non-saturating loss."""
+    batch_size: int = Field(64, ge=1, le=65536)
+    """Global batch size (images per optimizer step)."""
+    kimg: float = Field(200.0, gt=0)
+    """Length of training, in thousands of real images shown to D."""
+    lr_g: float = Field(2.0e-4, gt=0, le=1.0)
+    """Adam learning rate of G."""
+    lr_d: float = Field(2.0e-4, gt=0, le=1.0)
+    """Adam learning rate of D."""
+    betas: tuple[
+        Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]
+    ] = (0.5, 0.999)
+    """Adam (beta1, beta2)."""
+    ema_kimg: float = Field(10.0, ge=0)
+    """Half-life of the EMA of G's weights, in thousands of images; 0 turns EMA off."""
+    snapshot_kimg: float = Field(20.0, gt=0)
+    """Interval of progress grids (fixed latents) in the training log, in thousands of images."""
+    log_every_kimg: float = Field(1.0, gt=0)
+    """Interval of scalar logging (losses, D outputs, images/s), in thousands of images."""
+    num_workers: int = Field(0, ge=0, le=64)
+    """DataLoader worker processes. 0 reads in the training process, which is fastest for
+    small images on a 2-core machine."""
+
+
+class GenerateParams(_Section):
+    """Sample generation from the trained generator."""
+
+    seed: int = Field(123, ge=0, lt=2**63)
+    """Seed of the latents of the sample grid."""
+    grid_rows: int = Field(8, ge=1, le=64)
+    """The grid is grid_rows x grid_rows images."""
+
+
+class Params(_Section):
+    """The whole of params.yaml."""
+
+    seed: int = Field(0, ge=0, lt=2**63)
+    """Base seed; the split, the weights, the data order and the latents derive from it."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Autocast precision of the forward passes; fp16 adds a GradScaler."""
+    data: DataParams = DataParams()
+    devices: DevicesParams = DevicesParams()
+    determinism: DeterminismParams = DeterminismParams()
+    model: ModelParams = ModelParams()
+    train: TrainParams = TrainParams()
+    generate: GenerateParams = GenerateParams()
+
+    @model_validator(mode="after")
+    def _image_size_fits_model(self) -> Params:
+        if self.model.arch == "dcgan" and self.data.image_size not in DCGAN_IMAGE_SIZES:
+            raise ValueError(
+                f"data.image_size={self.data.image_size} is not supported by model.arch=dcgan; "
+                f"use one of {', '.join(map(str, DCGAN_IMAGE_SIZES))}"
+            )
+        return self
+
+
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    """Field names of the section at ``loc`` (for "did you mean" hints)."""
+    model: type[BaseModel] = Params
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not (
+            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        ):
+            return []
+        model = field.annotation
+    return list(model.model_fields)
+
+
+def _describe(error: Mapping[str, Any]) -> tuple[str, str]:
+    """Turn one pydantic error into ``(dotted_key, message with the fix)``."""
+    loc = tuple(error["loc"])
+    key = ".".join(str(p) for p in loc) or "(top level)"
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        known = _fields_at(loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        hint = f" Did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}?" if close else ""
+        return key, f"unknown key.{hint} Valid keys here: {', '.join(known)}"
+    if kind == "value_error":
+        # Our cross-field validators write complete sentences that name their keys.
+        return key, str(error["msg"]).removeprefix("Value error, ")
+    got = error.get("input")
+    shown = "" if isinstance(got, Mapping) else f" (got {got!r})"
+    return key, f"{error['msg']}{shown}"
+
+
+def parse_params(raw: Any, source: str = "params") -> Params:
+    """Validate an already-parsed params mapping.
+
+    Args:
+        raw: The mapping read from YAML (``None`` means all defaults).
+        source: Name of the origin, used in the error message.
+
+    Raises:
+        ParamsError: listing every problem found.
+    """
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ParamsError(source, [("(top level)", "expected a mapping of sections")])
+    try:
+        return Params.model_validate(dict(raw))
+    except ValidationError as exc:
+        raise ParamsError(source, [_describe(e) for e in exc.errors()]) from None
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Read and validate params.yaml; the only reader of that file.
+
+    Raises:
+        ParamsError: the file is missing, is not YAML, or holds invalid values (all listed).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ParamsError(str(path), [("(file)", "not found; run from the repo root")]) from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ParamsError(str(path), [("(file)", f"not valid YAML: {exc}")]) from None
+    return parse_params(raw, str(path))
+
+
+def params_digest(section: BaseModel) -> dict[str, Any]:
+    """A plain JSON-able dict of a params section (for metadata and checkpoints)."""
+    return section.model_dump(mode="json")

@@ -1,0 +1,80 @@
+"""Devices, seeds, determinism and precision: everything that decides the bits of a run."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import random
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import numpy as np
+import torch
+
+from ganpipe.params import DeterminismParams, DevicesParams
+
+PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def derive_seed(base_seed: int, *purpose: object) -> int:
+    """A 63-bit seed for one purpose (``"latents", step``), independent of any RNG state.
+
+    Hashing keeps streams for different purposes uncorrelated and lets any of them be
+    recreated on its own (e.g. the latents of step N after a resume).
+    """
+    text = ":".join(map(str, (base_seed, *purpose))).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
+
+
+def seeded_generator(base_seed: int, *purpose: object) -> torch.Generator:
+    """A CPU ``torch.Generator`` seeded with :func:`derive_seed`."""
+    return torch.Generator().manual_seed(derive_seed(base_seed, *purpose))
+
+
+def resolve_device(devices: DevicesParams) -> torch.device:
+    """The torch device for ``devices.accelerator`` (auto: CUDA when available)."""
+    if devices.accelerator == "cuda" or (
+        devices.accelerator == "auto" and torch.cuda.is_available()
+    ):
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "devices.accelerator=cuda but CUDA is not available on this machine; "
+                "use devices.accelerator=auto or cpu"
+            )
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def configure_runtime(seed: int, devices: DevicesParams, determinism: DeterminismParams) -> None:
+    """Set thread count, global seeds and determinism flags for this process.
+
+    ``CUBLAS_WORKSPACE_CONFIG`` must be in the environment before CUDA initialises; the
+    stage entry point sets it (this library reads no environment variables).
+    """
+    torch.set_num_threads(devices.cpu_threads)
+    random.seed(derive_seed(seed, "python"))
+    np.random.seed(derive_seed(seed, "numpy") % 2**32)
+    torch.manual_seed(derive_seed(seed, "torch"))
+    torch.use_deterministic_algorithms(determinism.deterministic)
+    torch.backends.cudnn.deterministic = determinism.deterministic
+    torch.backends.cudnn.benchmark = determinism.cudnn_benchmark
+
+
+def autocast_factory(precision: str, device: torch.device) -> Callable[[], AbstractContextManager]:
+    """A callable returning the autocast context for ``precision`` (a no-op for fp32)."""
+    if precision == "fp32":
+        return contextlib.nullcontext
+    dtype = PRECISION_DTYPES[precision]
+    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
+    """A GradScaler that is active for fp16 only (bf16 has fp32's exponent range)."""
+    return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+
+
+def seed_worker(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: seed numpy and random from the worker's torch seed."""
+    worker_seed = torch.initial_seed() % 2**32
+    np.random.seed(worker_seed)
+    random.seed(worker_seed)

@@ -1,0 +1,1 @@
+"""One thin entry point per dvc.yaml stage: ``python -m stages.NAME``."""
