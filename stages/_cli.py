@@ -14,8 +14,15 @@ from ganpipe.data.store import DatasetError
 from ganpipe.params import Params, ParamsError, load_params
 
 #: Errors caused by the user's params or files: reported in one message, exit status 2.
-USER_ERRORS = (ParamsError, SourceError, DatasetError, BadImageError, ValueError,
-               FileNotFoundError, FloatingPointError)
+USER_ERRORS = (
+    ParamsError,
+    SourceError,
+    DatasetError,
+    BadImageError,
+    ValueError,
+    FileNotFoundError,
+    FloatingPointError,
+)
 
 
 def run(main: Callable[[Params], None], description: str) -> None:
@@ -25,11 +32,16 @@ def run(main: Callable[[Params], None], description: str) -> None:
     traceback and exit with status 2, so DVC and Prefect show the cause.
     """
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--params", type=Path, default=Path("params.yaml"),
-                        help="params file (default: params.yaml)")
+    parser.add_argument(
+        "--params",
+        type=Path,
+        default=Path("params.yaml"),
+        help="params file (default: params.yaml)",
+    )
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     try:
         main(load_params(args.params))
     except USER_ERRORS as exc:

@@ -21,8 +21,9 @@ def load_generator(path: Path) -> tuple[DcganGenerator, ModelParams]:
     """Rebuild a generator from a model file written by the train stage."""
     record = load(path)
     model = ModelParams(**record["model"])
-    g = DcganGenerator(model.z_dim, model.g_width, record["channels"], record["image_size"],
-                       model.norm)
+    g = DcganGenerator(
+        model.z_dim, model.g_width, record["channels"], record["image_size"], model.norm
+    )
     g.load_state_dict(record["state_dict"])
     return g.eval(), model
 

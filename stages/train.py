@@ -15,17 +15,17 @@ import os
 # cuBLAS reads this when CUDA initialises; it must be set before torch touches the GPU.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-from pathlib import Path  # noqa: E402
+from pathlib import Path
 
-import numpy as np  # noqa: E402
-from dvclive import Live  # noqa: E402
+import numpy as np
+from dvclive import Live
 
-from ganpipe import runtime  # noqa: E402
-from ganpipe.checkpoint import save_atomic  # noqa: E402
-from ganpipe.data.dataset import LmdbImageDataset  # noqa: E402
-from ganpipe.loop import train  # noqa: E402
-from ganpipe.params import Params  # noqa: E402
-from stages import _cli  # noqa: E402
+from ganpipe import runtime
+from ganpipe.checkpoint import save_atomic
+from ganpipe.data.dataset import LmdbImageDataset
+from ganpipe.loop import train
+from ganpipe.params import Params
+from stages import _cli
 
 MODELS = Path("models")
 LOG_DIR = "metrics/train"
@@ -70,12 +70,13 @@ def main(params: Params) -> None:
         )
     with Live(LOG_DIR, dvcyaml=None, save_dvc_exp=False, report=None) as live:
         result = train(params, dataset, device, DvcliveLogger(live))
-    save_atomic(model_record(params, "generator", result.g.state_dict()),
-                MODELS / "generator.pt")
-    save_atomic(model_record(params, "discriminator", result.d.state_dict()),
-                MODELS / "discriminator.pt")
-    save_atomic(model_record(params, "generator", result.g_ema.module.state_dict()),
-                MODELS / "g_ema.pt")
+    save_atomic(model_record(params, "generator", result.g.state_dict()), MODELS / "generator.pt")
+    save_atomic(
+        model_record(params, "discriminator", result.d.state_dict()), MODELS / "discriminator.pt"
+    )
+    save_atomic(
+        model_record(params, "generator", result.g_ema.module.state_dict()), MODELS / "g_ema.pt"
+    )
 
 
 if __name__ == "__main__":

@@ -102,7 +102,8 @@ def train(
     g, d = g.to(device), d.to(device)
     g_ema = EmaGenerator(g, cfg.ema_kimg)
     gan = Gan(
-        g=g, d=d,
+        g=g,
+        d=d,
         opt_g=torch.optim.Adam(g.parameters(), lr=cfg.lr_g, betas=cfg.betas),
         opt_d=torch.optim.Adam(d.parameters(), lr=cfg.lr_d, betas=cfg.betas),
         loss=LOSSES[cfg.loss],
@@ -116,9 +117,13 @@ def train(
     snapshot_every = max(1, round(cfg.snapshot_kimg * 1000 / cfg.batch_size))
     sampler = EpochBatchSampler(len(dataset), cfg.batch_size, seed, 0, total_steps)
     loader = DataLoader(
-        dataset, batch_sampler=sampler, num_workers=cfg.num_workers,
-        worker_init_fn=runtime.seed_worker, generator=runtime.seeded_generator(seed, "workers"),
-        pin_memory=device.type == "cuda", persistent_workers=cfg.num_workers > 0,
+        dataset,
+        batch_sampler=sampler,
+        num_workers=cfg.num_workers,
+        worker_init_fn=runtime.seed_worker,
+        generator=runtime.seeded_generator(seed, "workers"),
+        pin_memory=device.type == "cuda",
+        persistent_workers=cfg.num_workers > 0,
     )
     fixed_z = latents(seed, -1, params.generate.grid_rows**2, params.model.z_dim).to(device)
 
@@ -126,8 +131,15 @@ def train(
     d.train()
     sums: dict[str, torch.Tensor] = {}
     since, last_log_step = time.perf_counter(), 0
-    bar = tqdm(total=total_steps * cfg.batch_size, unit="img", unit_scale=True, desc="train",
-               disable=not progress, mininterval=1.0, dynamic_ncols=True)
+    bar = tqdm(
+        total=total_steps * cfg.batch_size,
+        unit="img",
+        unit_scale=True,
+        desc="train",
+        disable=not progress,
+        mininterval=1.0,
+        dynamic_ncols=True,
+    )
     with bar:
         for step, (real, _labels) in enumerate(loader):
             real = real.to(device, non_blocking=True)
@@ -158,8 +170,10 @@ def train(
                 means["lr/d"] = gan.opt_d.param_groups[0]["lr"]
                 if logger is not None:
                     logger.log_scalars(images_seen, means)
-                bar.set_postfix({"loss/d": f"{means['loss/d']:.3f}",
-                                 "loss/g": f"{means['loss/g']:.3f}"}, refresh=False)
+                bar.set_postfix(
+                    {"loss/d": f"{means['loss/d']:.3f}", "loss/g": f"{means['loss/g']:.3f}"},
+                    refresh=False,
+                )
                 sums, since, last_log_step = {}, now, done
             if logger is not None and (done % snapshot_every == 0 or done == total_steps):
                 logger.log_grid(images_seen, snapshot(g_ema, fixed_z, params.generate.grid_rows))

@@ -8,6 +8,7 @@ sigmoid lives in the loss, where it is numerically safe under autocast.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -52,7 +53,7 @@ class DcganGenerator(nn.Module):
             _norm(norm, widths[0]),
             nn.ReLU(inplace=True),
         ]
-        for c_in, c_out in zip(widths, widths[1:], strict=False):
+        for c_in, c_out in itertools.pairwise(widths):
             layers += [
                 _conv(norm, nn.ConvTranspose2d(c_in, c_out, 4, 2, 1, bias=bias)),
                 _norm(norm, c_out),
@@ -78,7 +79,7 @@ class DcganDiscriminator(nn.Module):
             _conv(norm, nn.Conv2d(channels, widths[0], 4, 2, 1, bias=True)),
             nn.LeakyReLU(0.2, inplace=True),
         ]
-        for c_in, c_out in zip(widths, widths[1:], strict=False):
+        for c_in, c_out in itertools.pairwise(widths):
             layers += [
                 _conv(norm, nn.Conv2d(c_in, c_out, 4, 2, 1, bias=bias)),
                 _norm(norm, c_out),

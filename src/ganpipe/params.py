@@ -198,6 +198,9 @@ def _describe(error: Mapping[str, Any]) -> tuple[str, str]:
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)
         hint = f" Did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}?" if close else ""
         return key, f"unknown key.{hint} Valid keys here: {', '.join(known)}"
+    if kind == "missing" and loc and isinstance(loc[-1], int):
+        parent = ".".join(str(p) for p in loc[:-1])
+        return parent, f"too few items (got {error.get('input')!r}); see the default in params.yaml"
     if kind == "value_error":
         # Our cross-field validators write complete sentences that name their keys.
         return key, str(error["msg"]).removeprefix("Value error, ")

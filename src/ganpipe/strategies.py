@@ -41,10 +41,13 @@ class Gan:
 Stats = dict[str, torch.Tensor]
 
 
-def _stats(loss_d, loss_g, real_logits, fake_logits) -> Stats:  # noqa: ANN001
-    return {"loss/d": loss_d.detach(), "loss/g": loss_g.detach(),
-            "d/real": real_logits.detach().float().mean(),
-            "d/fake": fake_logits.detach().float().mean()}
+def _stats(loss_d, loss_g, real_logits, fake_logits) -> Stats:
+    return {
+        "loss/d": loss_d.detach(),
+        "loss/g": loss_g.detach(),
+        "d/real": real_logits.detach().float().mean(),
+        "d/fake": fake_logits.detach().float().mean(),
+    }
 
 
 def d_first_retain(gan: Gan, real: torch.Tensor, z: torch.Tensor) -> Stats:

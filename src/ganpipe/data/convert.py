@@ -92,10 +92,7 @@ def decode(item: tuple[str, Path | np.ndarray], image_size: int, channels: int) 
     """
     name, payload = item
     try:
-        if isinstance(payload, np.ndarray):
-            image = Image.fromarray(payload)
-        else:
-            image = open_image(payload)
+        image = Image.fromarray(payload) if isinstance(payload, np.ndarray) else open_image(payload)
         return convert_image(image, image_size, channels)
     except Exception as exc:  # untrusted files fail in many ways (OSError, SyntaxError, ...)
         reason = str(exc) or type(exc).__name__

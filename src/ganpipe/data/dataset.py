@@ -16,9 +16,9 @@ class LmdbImageDataset(Dataset):
     """Images in ``[-1, 1]`` (float32, CHW) with their integer label, read from LMDB.
 
     The environment is opened lazily in whichever process reads first (read-only, no lock
-    file, no readahead) and is dropped when the dataset is pickled, so DataLoader workers
-    (fork or spawn) and DistributedSampler ranks each open their own handle. Reading never
-    writes to the database folder.
+    file, no readahead; see :func:`~ganpipe.data.store.open_readonly`) and is dropped when
+    the dataset is pickled, so spawned DataLoader workers and DistributedSampler ranks each
+    open their own handle. Reading never writes to the database folder.
     """
 
     def __init__(self, path: str | Path):
@@ -38,15 +38,17 @@ class LmdbImageDataset(Dataset):
         state["_env"] = None
         return state
 
-    def _txn(self):  # noqa: ANN202 - lmdb.Transaction
+    def _txn(self):
         if self._env is None:
             self._env = open_readonly(self.path)
         return self._env.begin(buffers=True)
 
     def _decode(self, value: memoryview) -> tuple[torch.Tensor, int]:
         if len(value) != self._record_size:
-            raise ValueError(f"{self.path}: record of {len(value)} bytes, expected "
-                             f"{self._record_size}; rebuild with `dvc repro prepare`")
+            raise ValueError(
+                f"{self.path}: record of {len(value)} bytes, expected "
+                f"{self._record_size}; rebuild with `dvc repro prepare`"
+            )
         (label,) = LABEL.unpack_from(value)
         pixels = np.frombuffer(value, dtype=np.uint8, offset=LABEL.size).reshape(self._hwc)
         image = torch.from_numpy(pixels.transpose(2, 0, 1).astype(np.float32))
@@ -67,12 +69,15 @@ class LmdbImageDataset(Dataset):
         out = np.empty((len(self), *self._hwc), dtype=np.uint8)
         with self._txn() as txn:
             for i in range(len(self)):
-                out[i] = np.frombuffer(txn.get(record_key(i)), np.uint8,
-                                       offset=LABEL.size).reshape(self._hwc)
+                out[i] = np.frombuffer(txn.get(record_key(i)), np.uint8, offset=LABEL.size).reshape(
+                    self._hwc
+                )
         return out
 
     def labels(self) -> np.ndarray:
         """All labels as an int64 array."""
         with self._txn() as txn:
-            return np.array([LABEL.unpack_from(txn.get(record_key(i)))[0]
-                             for i in range(len(self))], dtype=np.int64)
+            return np.array(
+                [LABEL.unpack_from(txn.get(record_key(i)))[0] for i in range(len(self))],
+                dtype=np.int64,
+            )

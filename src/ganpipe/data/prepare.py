@@ -59,7 +59,7 @@ def split_indices(num_items: int, val_fraction: float, seed: int) -> np.ndarray:
     return is_val
 
 
-def _decode_or_reason(item, image_size: int, channels: int):  # noqa: ANN001, ANN202
+def _decode_or_reason(item, image_size: int, channels: int):
     try:
         return convert.decode(item, image_size, channels), None
     except convert.BadImageError as exc:
@@ -130,8 +130,11 @@ def prepare_dataset(
     listing = list_source(data.source, path, allow_empty_classes=data.on_bad_image == "skip")
     is_val = split_indices(len(listing), data.val_fraction, seed)
     if data.val_fraction > 0 and not is_val.any():
-        log.warning("data.val_fraction=%s of %d images rounds to 0 val images",
-                    data.val_fraction, len(listing))
+        log.warning(
+            "data.val_fraction=%s of %d images rounds to 0 val images",
+            data.val_fraction,
+            len(listing),
+        )
     if is_val.all():
         raise ValueError(
             f"data.val_fraction={data.val_fraction} leaves no training image out of "
@@ -150,8 +153,14 @@ def prepare_dataset(
     try:
         for split in SPLITS:
             writers[split] = LmdbWriter(tmp[split], map_size=map_size)
-        bar = tqdm(total=len(listing), unit="img", desc="prepare", disable=not progress,
-                   mininterval=0.5, dynamic_ncols=True)
+        bar = tqdm(
+            total=len(listing),
+            unit="img",
+            desc="prepare",
+            disable=not progress,
+            mininterval=0.5,
+            dynamic_ncols=True,
+        )
         with bar:
             decoded = _decoded(listing, data.image_size, data.channels, workers)
             for index, (pixels, reason) in enumerate(decoded):
@@ -160,8 +169,9 @@ def prepare_dataset(
                 if pixels is None:
                     if data.on_bad_image == "error":
                         raise convert.BadImageError(
-                            name, f"{reason}. Fix or remove the file, or set "
-                            "data.on_bad_image=skip to leave unreadable images out"
+                            name,
+                            f"{reason}. Fix or remove the file, or set "
+                            "data.on_bad_image=skip to leave unreadable images out",
                         )
                     skipped[split].append({"file": name, "reason": reason})
                 else:
@@ -192,11 +202,16 @@ def prepare_dataset(
         }
         metas = {}
         for split in SPLITS:
-            metas[split] = {**base, "split": split, "class_counts": class_counts[split],
-                            "skipped": skipped[split]}
+            metas[split] = {
+                **base,
+                "split": split,
+                "class_counts": class_counts[split],
+                "skipped": skipped[split],
+            }
             writers[split].finish(metas[split])
-            metas[split].update(count=writers[split].count,
-                                content_sha256=writers[split].content_sha256)
+            metas[split].update(
+                count=writers[split].count, content_sha256=writers[split].content_sha256
+            )
         _swap_into_place(tmp, out_dir)
     except BaseException:
         for writer in writers.values():
@@ -204,8 +219,12 @@ def prepare_dataset(
         raise
     all_skipped = skipped["train"] + skipped["val"]
     if all_skipped:
-        log.warning("skipped %d unreadable image(s) (listed in the meta records), e.g. %s: %s",
-                    len(all_skipped), all_skipped[0]["file"], all_skipped[0]["reason"])
+        log.warning(
+            "skipped %d unreadable image(s) (listed in the meta records), e.g. %s: %s",
+            len(all_skipped),
+            all_skipped[0]["file"],
+            all_skipped[0]["reason"],
+        )
     counts = {s: writers[s].count for s in SPLITS}
     log.info("wrote %s in %.1f s (%.0f images/s)", counts, elapsed, len(listing) / elapsed)
     return PrepareReport(counts, all_skipped, len(listing) / max(elapsed, 1e-9), metas)

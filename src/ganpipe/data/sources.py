@@ -57,9 +57,7 @@ def _image_files(folder: Path) -> list[Path]:
     found = []
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        found += [
-            Path(dirpath, f) for f in filenames if not f.startswith(".") and is_image_name(f)
-        ]
+        found += [Path(dirpath, f) for f in filenames if not f.startswith(".") and is_image_name(f)]
     return sorted(found, key=lambda p: p.relative_to(folder).as_posix())
 
 
@@ -81,7 +79,9 @@ def list_folder(root: Path, allow_empty_classes: bool) -> Listing:
         raise SourceError(f"data.path={str(root)!r} cannot be read: {exc}") from exc
     loose = [Path(e.path) for e in entries if e.is_file() and is_image_name(e.name)]
     class_dirs = [
-        Path(e.path) for e in entries if e.is_dir(follow_symlinks=True) and not e.name.startswith(".")
+        Path(e.path)
+        for e in entries
+        if e.is_dir(follow_symlinks=True) and not e.name.startswith(".")
     ]
     if loose and class_dirs:
         raise SourceError(
@@ -103,8 +103,9 @@ def list_folder(root: Path, allow_empty_classes: bool) -> Listing:
             f"data.path={str(root)!r}: class folder(s) without images: {', '.join(empty)}; "
             "remove them, or set data.on_bad_image=skip to keep them as empty classes"
         )
-    listing = Listing(classes=[name for name, _ in groups], names=[], labels=[], payloads=[],
-                      empty_classes=empty)
+    listing = Listing(
+        classes=[name for name, _ in groups], names=[], labels=[], payloads=[], empty_classes=empty
+    )
     for label, (_, files) in enumerate(groups):
         for path in files:
             listing.names.append(path.relative_to(root).as_posix())
@@ -116,16 +117,18 @@ def list_folder(root: Path, allow_empty_classes: bool) -> Listing:
 class _ArraysOnlyUnpickler(pickle.Unpickler):
     """CIFAR-10 batches are pickles; allow only what they hold (numpy arrays, builtins)."""
 
-    _allowed = {
-        ("numpy.core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy", "ndarray"),
-        ("numpy", "dtype"),
-        ("copyreg", "_reconstructor"),
-        ("builtins", "object"),
-    }
+    _allowed: frozenset[tuple[str, str]] = frozenset(
+        {
+            ("numpy.core.multiarray", "_reconstruct"),
+            ("numpy._core.multiarray", "_reconstruct"),
+            ("numpy", "ndarray"),
+            ("numpy", "dtype"),
+            ("copyreg", "_reconstructor"),
+            ("builtins", "object"),
+        }
+    )
 
-    def find_class(self, module: str, name: str):  # noqa: ANN201 - pickle protocol
+    def find_class(self, module: str, name: str):
         if (module, name) in self._allowed:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a CIFAR-10 batch")

@@ -55,8 +55,11 @@ class LmdbWriter:
         self._hash = hashlib.sha256()
         self._pending: list[tuple[bytes, bytes]] = []
         path.mkdir(parents=True, exist_ok=False)
-        self._env = lmdb.open(str(path), map_size=map_size, lock=False, subdir=True,
-                              meminit=False, max_dbs=0)
+        # meminit (the default) zeroes unused page bytes; without it they hold stale heap
+        # memory and two identical runs write different files.
+        self._env = lmdb.open(
+            str(path), map_size=map_size, lock=False, subdir=True, meminit=True, max_dbs=0
+        )
 
     def add(self, label: int, pixels: bytes) -> None:
         """Queue one record; commits every ``commit_every`` records."""
@@ -101,17 +104,32 @@ class LmdbWriter:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
+#: Read-only environments of this process, by the identity of their data file.
+_READERS: dict[tuple[int, int], lmdb.Environment] = {}
+
+
 def open_readonly(path: Path) -> lmdb.Environment:
-    """Open a database for reading without ever writing to its folder.
+    """A shared read-only handle on the database at ``path``, never writing to its folder.
 
     ``lock=False``: a locking reader would rewrite ``lock.mdb`` inside a DVC-tracked output.
+    LMDB refuses to open one environment twice in a process, so handles are shared per data
+    file. A child forked after the parent opened one inherits the handle and keeps using it:
+    without a lock table, reading a read-only map of a file that is never written again
+    shares no state with the parent (py-lmdb would refuse a second open in the child).
     """
-    if not (path / "data.mdb").is_file():
+    data_file = path / "data.mdb"
+    try:
+        stat = data_file.stat()
+    except FileNotFoundError:
         raise DatasetError(
             f"{path} is not an LMDB database (no data.mdb); run `dvc repro prepare` first"
+        ) from None
+    key = (stat.st_dev, stat.st_ino)
+    if key not in _READERS:
+        _READERS[key] = lmdb.open(
+            str(path), readonly=True, lock=False, readahead=False, meminit=False, subdir=True
         )
-    return lmdb.open(str(path), readonly=True, lock=False, readahead=False, meminit=False,
-                     subdir=True, max_readers=1)
+    return _READERS[key]
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -121,13 +139,9 @@ def read_meta(path: Path) -> dict[str, Any]:
         DatasetError: missing folder, no meta record (an interrupted prepare), another
             format, or a record count that does not match the meta.
     """
-    env = open_readonly(path)
-    try:
-        with env.begin() as txn:
-            raw = txn.get(META_KEY)
-            entries = txn.stat()["entries"]
-    finally:
-        env.close()
+    with open_readonly(path).begin() as txn:
+        raw = txn.get(META_KEY)
+        entries = txn.stat()["entries"]
     if raw is None:
         raise DatasetError(
             f"{path} has no ganpipe meta record: it is incomplete (an interrupted prepare?) "

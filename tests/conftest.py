@@ -1,0 +1,59 @@
+"""Shared helpers: tiny images made on the fly (tests never download anything)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs CUDA (marked gpu)")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+
+
+def solid_image(path: Path, color, size=(12, 10), mode="RGB", fmt=None) -> Path:
+    """Write a one-colour image and return its path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new(mode, size, color).save(path, format=fmt)
+    return path
+
+
+def random_image(path: Path, seed: int, size=(12, 10)) -> Path:
+    rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(path)
+    return path
+
+
+@pytest.fixture
+def class_folder(tmp_path: Path) -> Path:
+    """Two classes, three solid-colour images each."""
+    root = tmp_path / "images"
+    for i in range(3):
+        solid_image(root / "cats" / f"c{i}.png", (10 * i, 20, 30))
+        solid_image(root / "dogs" / f"d{i}.PNG", (200, 10 * i, 40))
+    return root
+
+
+@pytest.fixture(autouse=True)
+def _quiet_env(monkeypatch):
+    monkeypatch.setenv("DVC_NO_ANALYTICS", "1")
+    monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+def dir_digest(path: Path) -> dict[str, bytes]:
+    """File name -> bytes for every file under ``path`` (to prove nothing changed)."""
+    return {
+        os.path.relpath(p, path): Path(p).read_bytes()
+        for p in sorted(path.rglob("*"))
+        if Path(p).is_file()
+    }

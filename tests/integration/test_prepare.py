@@ -1,0 +1,282 @@
+"""The prepare step on tiny generated data: every source, bad input, atomicity, determinism."""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from ganpipe.data.convert import BadImageError
+from ganpipe.data.dataset import LmdbImageDataset
+from ganpipe.data.prepare import prepare_dataset, split_indices
+from ganpipe.data.sources import SourceError
+from ganpipe.data.store import read_meta
+from ganpipe.params import DataParams
+from tests.conftest import solid_image
+
+
+def prep(tmp_path, seed=0, **data):
+    out = tmp_path / "out"
+    report = prepare_dataset(DataParams(**data), seed, out, root=tmp_path, progress=False)
+    return out, report
+
+
+def all_pixels(path):
+    ds = LmdbImageDataset(path)
+    return ds.uint8_array(), ds.labels(), ds.meta
+
+
+def test_digits_pixels_are_the_bundled_images(tmp_path):
+    from sklearn.datasets import load_digits
+
+    out, report = prep(tmp_path, image_size=8, val_fraction=0.1)
+    assert report.counts == {"train": 1617, "val": 180}
+    digits = load_digits()
+    expected = np.rint(digits.images * 255 / 16).astype(np.uint8)
+    is_val = split_indices(1797, 0.1, 0)
+    train, labels, meta = all_pixels(out / "train.lmdb")
+    np.testing.assert_array_equal(train[..., 0], expected[~is_val])
+    np.testing.assert_array_equal(labels, digits.target[~is_val])
+    assert meta["classes"] == [str(i) for i in range(10)]
+    assert meta["shape"] == [8, 8, 1] and meta["source"]["name"] == "digits"
+    assert sum(meta["class_counts"]) == 1617
+
+
+def test_class_folder_labels_and_pixels(tmp_path, class_folder):
+    out, report = prep(
+        tmp_path, source="folder", path="images", image_size=8, channels=3, val_fraction=0.0
+    )
+    pixels, labels, meta = all_pixels(out / "train.lmdb")
+    assert meta["classes"] == ["cats", "dogs"]
+    np.testing.assert_array_equal(labels, [0, 0, 0, 1, 1, 1])
+    np.testing.assert_array_equal(pixels[1, 3, 3], [10, 20, 30])
+    np.testing.assert_array_equal(pixels[5, 0, 0], [200, 20, 40])
+    assert report.counts["val"] == 0
+
+
+def test_flat_folder_is_one_class_and_non_images_are_ignored(tmp_path):
+    for i in range(4):
+        solid_image(tmp_path / "flat" / f"{i}.jpg", (i, i, i))
+    (tmp_path / "flat" / "README.txt").write_text("not an image")
+    (tmp_path / "flat" / ".DS_Store").write_bytes(b"\0\1")
+    out, report = prep(tmp_path, source="folder", path="flat", image_size=8, val_fraction=0.25)
+    assert report.counts == {"train": 3, "val": 1}
+    assert read_meta(out / "train.lmdb")["classes"] == ["flat"]
+
+
+def test_cifar10_python_batches(tmp_path):
+    root = tmp_path / "cifar" / "cifar-10-batches-py"
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    batches = []
+    for i in range(1, 6):
+        data = rng.integers(0, 256, (4, 3072), dtype=np.uint8)
+        labels = [int(x) for x in rng.integers(0, 10, 4)]
+        batches.append((data, labels))
+        with open(root / f"data_batch_{i}", "wb") as f:
+            pickle.dump({"data": data, "labels": labels}, f)
+    with open(root / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": [f"class{i}" for i in range(10)]}, f)
+    out, _ = prep(
+        tmp_path, source="cifar10", path="cifar", image_size=32, channels=3, val_fraction=0.0
+    )
+    pixels, labels, meta = all_pixels(out / "train.lmdb")
+    expected = np.concatenate([d for d, _ in batches]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    np.testing.assert_array_equal(pixels, expected)
+    np.testing.assert_array_equal(labels, [y for _, lab in batches for y in lab])
+    assert meta["classes"][3] == "class3"
+
+
+def test_cifar10_refuses_pickled_code(tmp_path):
+    root = tmp_path / "cifar"
+    root.mkdir()
+    with open(root / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": ["a"], "evil": print}, f)
+    with pytest.raises(SourceError, match="refusing to load builtins.print"):
+        prep(tmp_path, source="cifar10", path="cifar", image_size=32, channels=3)
+
+
+def write_idx(path, array, compress):
+    header = struct.pack(">HBB", 0, 8, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    opener = gzip.open if compress else open
+    with opener(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_mnist_idx_files(tmp_path, compress):
+    rng = np.random.default_rng(1)
+    images = rng.integers(0, 256, (6, 28, 28), dtype=np.uint8)
+    labels = np.array([3, 1, 4, 1, 5, 9], dtype=np.uint8)
+    (tmp_path / "mnist").mkdir()
+    suffix = ".gz" if compress else ""
+    write_idx(tmp_path / "mnist" / f"train-images-idx3-ubyte{suffix}", images, compress)
+    write_idx(tmp_path / "mnist" / f"train-labels-idx1-ubyte{suffix}", labels, compress)
+    out, _ = prep(tmp_path, source="mnist", path="mnist", image_size=28, val_fraction=0.0)
+    pixels, got_labels, _ = all_pixels(out / "train.lmdb")
+    np.testing.assert_array_equal(pixels[..., 0], images)
+    np.testing.assert_array_equal(got_labels, labels)
+
+
+def test_mnist_missing_files_say_what_is_missing(tmp_path):
+    (tmp_path / "mnist").mkdir()
+    with pytest.raises(SourceError, match="train-images-idx3-ubyte"):
+        prep(tmp_path, source="mnist", path="mnist", image_size=28)
+
+
+# --- bad input -------------------------------------------------------------------------
+
+
+def make_bad_files(root):
+    """One of each bad file, and what error mode must report for it."""
+    good = solid_image(root / "ok" / "good.png", (1, 2, 3))
+    truncated = root / "ok" / "truncated.png"
+    solid_image(truncated, (5, 5, 5), size=(64, 64))
+    truncated.write_bytes(truncated.read_bytes()[:60])
+    (root / "ok" / "zero.png").write_bytes(b"")
+    (root / "ok" / "text.jpg").write_text("hello, I am not a JPEG")
+    (root / "ok" / "dangling.png").symlink_to(root / "nowhere.png")
+    return good, {"truncated.png", "zero.png", "text.jpg", "dangling.png"}
+
+
+def test_bad_images_error_names_the_file_and_reason(tmp_path):
+    make_bad_files(tmp_path / "imgs")
+    with pytest.raises(BadImageError) as info:
+        prep(tmp_path, source="folder", path="imgs", image_size=8)
+    assert info.value.name in {
+        f"ok/{n}" for n in ("truncated.png", "zero.png", "text.jpg", "dangling.png")
+    }
+    assert "data.on_bad_image=skip" in str(info.value)
+    assert not (tmp_path / "out" / "train.lmdb").exists()
+    assert not list((tmp_path / "out").iterdir()), "no temporary leftovers"
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("truncated.png", "truncated"),
+        ("zero.png", "cannot identify"),
+        ("text.jpg", "cannot identify"),
+        ("dangling.png", "No such file"),
+    ],
+)
+def test_each_bad_file_alone_is_reported(tmp_path, name, reason):
+    make_bad_files(tmp_path / "all")
+    root = tmp_path / "one" / "ok"
+    root.mkdir(parents=True)
+    (tmp_path / "all" / "ok" / "good.png").rename(root / "good.png")
+    (tmp_path / "all" / "ok" / name).rename(root / name)
+    with pytest.raises(BadImageError, match=reason) as info:
+        prep(tmp_path, source="folder", path="one", image_size=8)
+    assert info.value.name == f"ok/{name}"
+
+
+def test_skip_mode_skips_counts_and_records(tmp_path, caplog):
+    _, bad = make_bad_files(tmp_path / "imgs")
+    out, report = prep(
+        tmp_path, source="folder", path="imgs", image_size=8, on_bad_image="skip", val_fraction=0.0
+    )
+    assert report.counts["train"] == 1
+    assert {s["file"].split("/")[-1] for s in report.skipped} == bad
+    meta = read_meta(out / "train.lmdb")
+    assert {s["file"].split("/")[-1] for s in meta["skipped"]} == bad
+    assert all(s["reason"] for s in meta["skipped"])
+    assert "skipped 4 unreadable image(s)" in caplog.text
+
+
+def test_convertible_modes_sizes_and_names(tmp_path):
+    root = tmp_path / "mixed" / "all"
+    solid_image(root / "grey.png", 80, mode="L")
+    solid_image(root / "la.png", (255, 128), mode="LA")
+    solid_image(root / "rgba.png", (255, 0, 0, 0), mode="RGBA")
+    Image.new("P", (9, 9), 3).save(root / "palette.gif")
+    Image.fromarray(np.full((5, 7), 65535, np.uint16)).save(root / "sixteen.png")
+    solid_image(root / "tiny.png", (7, 7, 7), size=(1, 1))
+    solid_image(root / "huge.png", (9, 9, 9), size=(4000, 3000))
+    solid_image(root / "ñandú_猫.png", (11, 12, 13))
+    solid_image(root / "png_named.JPG", (1, 1, 1), fmt="PNG")  # fake extension, real image
+    out, report = prep(
+        tmp_path, source="folder", path="mixed", image_size=8, channels=3, val_fraction=0.0
+    )
+    assert report.counts["train"] == 9 and not report.skipped
+    pixels, _, _ = all_pixels(out / "train.lmdb")
+    by_name = dict(
+        zip(sorted(p.relative_to(root).as_posix() for p in root.iterdir()), pixels, strict=True)
+    )
+    np.testing.assert_array_equal(by_name["rgba.png"][0, 0], [0, 0, 0])  # transparent -> black
+    np.testing.assert_array_equal(by_name["sixteen.png"][0, 0], [255, 255, 255])
+    np.testing.assert_array_equal(by_name["huge.png"][4, 4], [9, 9, 9])
+    np.testing.assert_array_equal(by_name["ñandú_猫.png"][0, 0], [11, 12, 13])
+    assert abs(int(by_name["la.png"][0, 0, 0]) - 128) <= 1
+
+
+def test_empty_class_folder(tmp_path, class_folder):
+    (class_folder / "empty").mkdir()
+    with pytest.raises(SourceError, match="class folder.*without images: empty"):
+        prep(tmp_path, source="folder", path="images", image_size=8)
+    out, _ = prep(tmp_path, source="folder", path="images", image_size=8, on_bad_image="skip")
+    meta = read_meta(out / "train.lmdb")
+    assert meta["classes"] == ["cats", "dogs", "empty"] and meta["empty_classes"] == ["empty"]
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda root: None, "does not exist"),
+        (lambda root: root.write_text("file"), "is not a folder"),
+        (lambda root: root.mkdir(), "holds no image files"),
+    ],
+)
+def test_missing_or_unusable_path(tmp_path, make, words):
+    make(tmp_path / "data_dir")
+    with pytest.raises(SourceError, match=words):
+        prep(tmp_path, source="folder", path="data_dir", image_size=8)
+
+
+def test_loose_images_beside_class_folders_are_ambiguous(tmp_path, class_folder):
+    solid_image(class_folder / "loose.png", (0, 0, 0))
+    with pytest.raises(SourceError, match="both images"):
+        prep(tmp_path, source="folder", path="images", image_size=8)
+
+
+# --- determinism and atomicity ---------------------------------------------------------
+
+
+def test_same_inputs_give_identical_files_and_hashes(tmp_path):
+    a = prepare_dataset(DataParams(image_size=16), 5, tmp_path / "a", progress=False)
+    b = prepare_dataset(DataParams(image_size=16), 5, tmp_path / "b", progress=False)
+    c = prepare_dataset(DataParams(image_size=16), 6, tmp_path / "c", progress=False)
+    for split in ("train", "val"):
+        assert (tmp_path / "a" / f"{split}.lmdb" / "data.mdb").read_bytes() == (
+            tmp_path / "b" / f"{split}.lmdb" / "data.mdb"
+        ).read_bytes()
+        assert a.meta[split]["content_sha256"] == b.meta[split]["content_sha256"]
+        assert a.meta[split]["content_sha256"] != c.meta[split]["content_sha256"]
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["train.lmdb", "val.lmdb"]
+
+
+def test_split_is_deterministic_and_sized():
+    mask = split_indices(1000, 0.1, 3)
+    assert mask.sum() == 100
+    np.testing.assert_array_equal(mask, split_indices(1000, 0.1, 3))
+    assert (mask != split_indices(1000, 0.1, 4)).any()
+
+
+def test_failed_prepare_keeps_the_previous_output(tmp_path, class_folder):
+    out, _ = prep(tmp_path, source="folder", path="images", image_size=8)
+    before = (out / "train.lmdb" / "data.mdb").read_bytes()
+    (class_folder / "cats" / "c0.png").write_bytes(b"broken")
+    with pytest.raises(BadImageError):
+        prep(tmp_path, source="folder", path="images", image_size=8)
+    assert (out / "train.lmdb" / "data.mdb").read_bytes() == before
+    assert sorted(p.name for p in out.iterdir()) == ["train.lmdb", "val.lmdb"]
+
+
+def test_val_fraction_that_leaves_no_training_data(tmp_path):
+    solid_image(tmp_path / "one" / "a.png", (1, 1, 1))
+    with pytest.raises(ValueError, match="leaves no training image"):
+        prep(tmp_path, source="folder", path="one", image_size=8, val_fraction=0.6)

@@ -1,0 +1,129 @@
+"""The params schema: defaults, every error path, and one report for all problems."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ganpipe.params import Params, ParamsError, load_params, parse_params
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_repo_params_yaml_is_valid_and_matches_schema_defaults_where_documented():
+    params = load_params(REPO / "params.yaml")
+    assert params.data.source == "digits"
+    assert params.train.strategy == "d_first_detach"
+    assert params.data.image_size in (16, 32, 64)
+
+
+def test_empty_file_means_all_defaults(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("")
+    assert load_params(path) == Params()
+
+
+# (yaml text, dotted key that must be named, words the message must contain)
+BAD_PARAMS = [
+    ("data: {imagesize: 32}", "data.imagesize", "Did you mean data.image_size?"),
+    ("trian: {kimg: 1}", "trian", "Did you mean train?"),
+    ("data: {image_size: thirty}", "data.image_size", "valid integer"),
+    ("data: {image_size: 4}", "data.image_size", "greater than or equal to 8"),
+    ("data: {image_size: 48}", "(top level)", "data.image_size=48 is not supported"),
+    ("data: {channels: 2}", "data.channels", "1 or 3"),
+    ("data: {val_fraction: 1.0}", "data.val_fraction", "less than 1"),
+    ("data: {val_fraction: -0.1}", "data.val_fraction", "greater than or equal to 0"),
+    ("data: {source: imagenet}", "data.source", "'digits', 'folder', 'cifar10' or 'mnist'"),
+    ("data: {source: folder}", "data", "data.source=folder needs data.path"),
+    ("data: {path: /tmp/x}", "data", "data.source=digits reads no files"),
+    ("data: {on_bad_image: ignore}", "data.on_bad_image", "'error' or 'skip'"),
+    ("train: {strategy: simultaneous}", "train.strategy", "'d_first_detach'"),
+    ("train: {batch_size: 0}", "train.batch_size", "greater than or equal to 1"),
+    ("train: {kimg: -5}", "train.kimg", "greater than 0"),
+    ("train: {kimg: .nan}", "train.kimg", "finite number"),
+    ("train: {lr_g: .inf}", "train.lr_g", "finite number"),
+    ("train: {betas: [0.5]}", "train.betas", "too few items"),
+    ("train: {betas: [0.5, 0.9, 0.9]}", "train.betas", "at most 2 items"),
+    ("train: {betas: [0.5, 1.0]}", "train.betas.1", "less than 1"),
+    ("precision: fp8", "precision", "'fp32', 'bf16' or 'fp16'"),
+    ("seed: -1", "seed", "greater than or equal to 0"),
+    ("seed: 1.5", "seed", "valid integer"),
+    ("model: {norm: weird}", "model.norm", "'batch'"),
+    ("model: {z_dim: 0}", "model.z_dim", "greater than or equal to 1"),
+    ("devices: {cpu_threads: 0}", "devices.cpu_threads", "greater than or equal to 1"),
+    ("devices: {accelerator: tpu}", "devices.accelerator", "'auto', 'cpu' or 'cuda'"),
+    ("determinism: {cudnn_benchmark: true}", "determinism", "contradicts"),
+    ("generate: {grid_rows: 0}", "generate.grid_rows", "greater than or equal to 1"),
+    ("data: 5", "data", "valid dictionary"),
+    ("- a\n- b", "(top level)", "expected a mapping"),
+]
+
+
+@pytest.mark.parametrize(("text", "key", "words"), BAD_PARAMS, ids=[b[0] for b in BAD_PARAMS])
+def test_bad_params_name_the_key_and_the_fix(tmp_path, text, key, words):
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    with pytest.raises(ParamsError) as info:
+        load_params(path)
+    keys = [k for k, _ in info.value.problems]
+    assert key in keys, info.value
+    assert words in str(info.value)
+    assert str(path) in str(info.value)
+
+
+def test_every_problem_is_reported_at_once():
+    raw = {
+        "seed": -3,
+        "data": {"image_size": 4, "chanels": 1},
+        "train": {"batch_size": 0, "strategy": "both"},
+        "model": {"norm": "weird"},
+        "determinism": {"cudnn_benchmark": True},
+    }
+    with pytest.raises(ParamsError) as info:
+        parse_params(raw)
+    keys = {k for k, _ in info.value.problems}
+    assert keys == {
+        "seed",
+        "data.image_size",
+        "data.chanels",
+        "train.batch_size",
+        "train.strategy",
+        "model.norm",
+        "determinism",
+    }
+    assert "7 problem(s)" in str(info.value)
+
+
+def test_invalid_yaml_and_missing_file_are_params_errors(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("data: [unclosed")
+    with pytest.raises(ParamsError, match="not valid YAML"):
+        load_params(path)
+    with pytest.raises(ParamsError, match="not found"):
+        load_params(tmp_path / "missing.yaml")
+
+
+def test_params_are_frozen():
+    params = Params()
+    with pytest.raises(Exception, match="frozen"):
+        params.data.image_size = 64  # type: ignore[misc]
+
+
+def test_every_field_has_a_docstring():
+    def walk(model):
+        for name, field in model.model_fields.items():
+            sub = field.annotation
+            if isinstance(sub, type) and issubclass(sub, type(Params()).__mro__[1]):
+                yield from walk(sub)
+            else:
+                yield f"{model.__name__}.{name}", field.description
+
+    missing = [name for name, doc in walk(Params) if not doc]
+    assert not missing
+
+
+def test_yaml_round_trip_of_defaults_validates():
+    dumped = yaml.safe_dump(Params().model_dump(mode="json"))
+    assert parse_params(yaml.safe_load(dumped)) == Params()
