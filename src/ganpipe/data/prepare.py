@@ -8,10 +8,13 @@ which readers refuse (no meta record) and the next run deletes.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import logging
 import multiprocessing
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -86,18 +89,37 @@ def _clear_leftovers(out_dir: Path) -> None:
                 shutil.rmtree(stale, ignore_errors=True)
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None or not sys.platform.startswith("linux"):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    if ctypes.get_errno() in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False  # e.g. a filesystem without exchange support
+    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(a))
+
+
 def _swap_into_place(built: dict[str, Path], out_dir: Path) -> None:
-    """Move the finished databases to their final names, then delete the previous ones."""
-    old = []
+    """Move the finished databases to their final names, then delete the previous ones.
+
+    An existing database is exchanged with the new one in one atomic step, so its path never
+    goes missing; where exchange is unsupported it is renamed aside first.
+    """
     for split, tmp in built.items():
         final = out_dir / f"{split}.lmdb"
-        if final.exists():
+        if not final.exists():
+            tmp.rename(final)
+        elif _exchange(tmp, final):
+            shutil.rmtree(tmp)
+        else:
             aside = out_dir / f".{split}.lmdb{OLD_MARK}{os.getpid()}"
             final.rename(aside)
-            old.append(aside)
-        tmp.rename(final)
-    for aside in old:
-        shutil.rmtree(aside, ignore_errors=True)
+            tmp.rename(final)
+            shutil.rmtree(aside)
 
 
 def prepare_dataset(

@@ -1,0 +1,119 @@
+"""Real `dvc repro` and `dvc exp run` in a temporary git clone of this working tree."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from PIL import Image
+
+from ganpipe.data.dataset import LmdbImageDataset
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+TINY = {
+    "seed": 1,
+    "data": {"image_size": 32},
+    "devices": {"cpu_threads": 1},
+    "model": {"z_dim": 8, "g_width": 4, "d_width": 4},
+    "train": {"batch_size": 16, "kimg": 0.128, "snapshot_kimg": 0.064, "log_every_kimg": 0.032},
+    "generate": {"grid_rows": 2},
+}
+
+
+def sh(args: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "DVC_NO_ANALYTICS": "1",
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
+    result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"{args} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+        )
+    return result
+
+
+@pytest.fixture
+def clone(tmp_path) -> Path:
+    """The working tree's tracked and unignored files, committed in a fresh repository."""
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    root = tmp_path / "clone"
+    for name in filter(None, files):
+        source = REPO / os.fsdecode(name)
+        if source.is_file():
+            (root / os.fsdecode(name)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, root / os.fsdecode(name))
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    for section, values in TINY.items():
+        if isinstance(values, dict):
+            params[section].update(values)
+        else:
+            params[section] = values
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (root / "dvc.lock").unlink(missing_ok=True)
+    sh(["git", "init", "-q", "-b", "main"], root)
+    sh(["git", "add", "-A"], root)
+    sh(["git", "commit", "-qm", "tiny"], root)
+    return root
+
+
+def test_repro_then_nothing_to_do_then_experiment(clone):
+    first = sh(["dvc", "repro"], clone)
+    for stage in ("prepare", "train", "generate"):
+        assert f"Running stage '{stage}'" in first.stdout
+    assert len(LmdbImageDataset(clone / "data/train.lmdb")) == 1617
+    assert Image.open(clone / "samples/grid.png").size == (2 * 34 + 2, 2 * 34 + 2)
+    assert json.loads((clone / "metrics/train/metrics.json").read_text())["step"] == 128
+    lock = yaml.safe_load((clone / "dvc.lock").read_text())
+    assert set(lock["stages"]) == {"prepare", "train", "generate"}
+
+    again = sh(["dvc", "repro"], clone)
+    assert "Running stage" not in again.stdout
+    assert "Data and pipelines are up to date" in again.stdout
+    assert "up to date" in sh(["dvc", "status"], clone).stdout
+
+    sh(["git", "add", "dvc.lock"], clone)
+    sh(["git", "commit", "-qm", "lock"], clone)
+    sh(["dvc", "exp", "run", "-S", "data.image_size=16", "--name", "small"], clone)
+    shown = json.loads(sh(["dvc", "exp", "show", "--json"], clone).stdout)
+    sizes = {}
+    for commit in shown:
+        for exp in commit.get("experiments") or []:
+            for revision in exp["revs"]:
+                params = revision["data"]["params"]["params.yaml"]["data"]
+                sizes[revision.get("name")] = params["data"]["image_size"]
+    assert sizes.get("small") == 16, shown
+    assert Image.open(clone / "samples/grid.png").size == (2 * 18 + 2, 2 * 18 + 2)
+
+
+def test_experiment_with_bad_value_fails_naming_the_key(clone):
+    result = sh(
+        ["dvc", "exp", "run", "-S", "train.batch_size=0", "-S", "model.norm=group"],
+        clone,
+        check=False,
+    )
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "train.batch_size" in output and "model.norm" in output
+    # every stage validates the whole file first: prepare already refused, nothing was built
+    assert "Traceback" not in output
+    assert not (clone / "data/train.lmdb").exists()
+    assert not list(clone.glob("models/*.pt"))
