@@ -61,7 +61,7 @@ def model_record(params: Params, net: str, state_dict: dict) -> dict:
 def main(params: Params) -> None:
     runtime.configure_runtime(params.seed, params.devices, params.determinism)
     device = runtime.resolve_device(params.devices)
-    dataset = LmdbImageDataset("data/train.lmdb")
+    dataset = LmdbImageDataset("data/train.lmdb", as_uint8=True)
     if list(dataset.meta["shape"]) != [params.data.image_size] * 2 + [params.data.channels]:
         raise ValueError(
             f"data/train.lmdb holds {dataset.meta['shape']} images but params say "

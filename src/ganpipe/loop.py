@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
 from ganpipe import runtime
+from ganpipe.data.dataset import uint8_to_float
 from ganpipe.ema import EmaGenerator
 from ganpipe.losses import LOSSES
 from ganpipe.nets import build_models
@@ -142,7 +143,11 @@ def train(
     )
     with bar:
         for step, (real, _labels) in enumerate(loader):
+            # uint8 batches (LmdbImageDataset(as_uint8=True)) cross to the device at a
+            # quarter of the bytes and are converted there.
             real = real.to(device, non_blocking=True)
+            if real.dtype == torch.uint8:
+                real = uint8_to_float(real)
             z = latents(seed, step, cfg.batch_size, params.model.z_dim).to(device)
             stats = step_fn(gan, real, z)
             gan.scaler.update()

@@ -12,8 +12,18 @@ from torch.utils.data import Dataset
 from ganpipe.data.store import LABEL, open_readonly, read_meta, record_key
 
 
+def uint8_to_float(images: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels -> float32 in ``[-1, 1]``: ``x / 127.5 - 1`` (exactly invertible)."""
+    return images.to(torch.float32, memory_format=torch.contiguous_format).div_(127.5).sub_(1.0)
+
+
 class LmdbImageDataset(Dataset):
     """Images in ``[-1, 1]`` (float32, CHW) with their integer label, read from LMDB.
+
+    With ``as_uint8=True`` the images stay uint8 (CHW) and the consumer converts whole
+    batches with :func:`uint8_to_float`, ideally on the GPU: a DataLoader worker then moves
+    a quarter of the bytes through shared memory, which is what limits throughput with
+    worker processes (benchmarks/loader.py).
 
     The environment is opened lazily in whichever process reads first (read-only, no lock
     file, no readahead; see :func:`~ganpipe.data.store.open_readonly`) and is dropped when
@@ -21,8 +31,9 @@ class LmdbImageDataset(Dataset):
     open their own handle. Reading never writes to the database folder.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, as_uint8: bool = False):
         self.path = Path(path)
+        self.as_uint8 = as_uint8
         self.meta: dict[str, Any] = read_meta(self.path)
         height, width, channels = self.meta["shape"]
         self.shape = (channels, height, width)
@@ -43,26 +54,32 @@ class LmdbImageDataset(Dataset):
             self._env = open_readonly(self.path)
         return self._env.begin(buffers=True)
 
-    def _decode(self, value: memoryview) -> tuple[torch.Tensor, int]:
-        if len(value) != self._record_size:
-            raise ValueError(
-                f"{self.path}: record of {len(value)} bytes, expected "
-                f"{self._record_size}; rebuild with `dvc repro prepare`"
-            )
-        (label,) = LABEL.unpack_from(value)
-        pixels = np.frombuffer(value, dtype=np.uint8, offset=LABEL.size).reshape(self._hwc)
-        image = torch.from_numpy(pixels.transpose(2, 0, 1).astype(np.float32))
-        return image.div_(127.5).sub_(1.0), label
-
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, int]]:
-        """Read a whole batch in one read transaction (DataLoader calls this when present)."""
+        """Read and convert a whole batch at once (DataLoader calls this when present).
+
+        One read transaction and one vectorised uint8 -> float conversion per batch instead
+        of one per image: per-image tensor operations cost more than the reading itself.
+        """
         if not all(0 <= i < len(self) for i in indices):
             raise IndexError(f"index out of range for {len(self)} records in {self.path}")
+        records = np.empty((len(indices), self._record_size), dtype=np.uint8)
         with self._txn() as txn:
-            return [self._decode(txn.get(record_key(i))) for i in indices]
+            for row, index in enumerate(indices):
+                value = txn.get(record_key(index))
+                if len(value) != self._record_size:
+                    raise ValueError(
+                        f"{self.path}: record {index} has {len(value)} bytes, expected "
+                        f"{self._record_size}; rebuild it with `dvc repro prepare`"
+                    )
+                records[row] = np.frombuffer(value, dtype=np.uint8)
+        labels = records[:, : LABEL.size].copy().view("<i4")[:, 0].tolist()
+        pixels = torch.from_numpy(records[:, LABEL.size :].reshape(len(indices), *self._hwc))
+        images = pixels.permute(0, 3, 1, 2)
+        images = images.contiguous() if self.as_uint8 else uint8_to_float(images)
+        return list(zip(images.unbind(0), labels, strict=True))
 
     def uint8_array(self) -> np.ndarray:
         """All images as one ``(N, H, W, C)`` uint8 array (for metrics and tests)."""
