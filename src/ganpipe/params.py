@@ -166,13 +166,35 @@ class Params(_Section):
     generate: GenerateParams = GenerateParams()
 
     @model_validator(mode="after")
-    def _image_size_fits_model(self) -> Params:
-        if self.model.arch == "dcgan" and self.data.image_size not in DCGAN_IMAGE_SIZES:
-            raise ValueError(
-                f"data.image_size={self.data.image_size} is not supported by model.arch=dcgan; "
-                f"use one of {', '.join(map(str, DCGAN_IMAGE_SIZES))}"
-            )
+    def _sections_fit_together(self) -> Params:
+        problems = _cross_section_problems(self.data, self.model)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
+
+
+def _cross_section_problems(data: DataParams, model: ModelParams) -> list[str]:
+    """Rules that involve more than one section."""
+    if model.arch == "dcgan" and data.image_size not in DCGAN_IMAGE_SIZES:
+        return [
+            f"data.image_size={data.image_size} is not supported by model.arch=dcgan; "
+            f"use one of {', '.join(map(str, DCGAN_IMAGE_SIZES))}"
+        ]
+    return []
+
+
+def _cross_section_problems_of_raw(raw: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Cross-section rules, checked even when unrelated sections are invalid.
+
+    Pydantic skips ``Params``' own validator when any section fails; this runs the same
+    rules whenever the sections involved are valid by themselves, so they are reported too.
+    """
+    try:
+        data = DataParams.model_validate(raw.get("data") or {})
+        model = ModelParams.model_validate(raw.get("model") or {})
+    except ValidationError:
+        return []  # those sections' own problems are already listed
+    return [("(top level)", problem) for problem in _cross_section_problems(data, model)]
 
 
 def _fields_at(loc: tuple[Any, ...]) -> list[str]:
@@ -226,7 +248,9 @@ def parse_params(raw: Any, source: str = "params") -> Params:
     try:
         return Params.model_validate(dict(raw))
     except ValidationError as exc:
-        raise ParamsError(source, [_describe(e) for e in exc.errors()]) from None
+        problems = [_describe(e) for e in exc.errors()]
+        problems += [p for p in _cross_section_problems_of_raw(raw) if p not in problems]
+        raise ParamsError(source, problems) from None
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

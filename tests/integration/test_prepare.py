@@ -280,3 +280,12 @@ def test_val_fraction_that_leaves_no_training_data(tmp_path):
     solid_image(tmp_path / "one" / "a.png", (1, 1, 1))
     with pytest.raises(ValueError, match="leaves no training image"):
         prep(tmp_path, source="folder", path="one", image_size=8, val_fraction=0.6)
+
+
+def test_decompression_bomb_is_a_bad_image(tmp_path, monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # anything over 2000 pixels refused
+    solid_image(tmp_path / "imgs" / "ok.png", (1, 1, 1))
+    solid_image(tmp_path / "imgs" / "bomb.png", (1, 1, 1), size=(100, 100))
+    with pytest.raises(BadImageError, match="DecompressionBombError") as info:
+        prep(tmp_path, source="folder", path="imgs", image_size=8)
+    assert info.value.name == "bomb.png"

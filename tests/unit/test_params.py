@@ -96,6 +96,14 @@ def test_every_problem_is_reported_at_once():
     assert "7 problem(s)" in str(info.value)
 
 
+def test_cross_section_rules_are_reported_beside_other_problems():
+    raw = {"data": {"image_size": 48}, "train": {"batch_size": 0}}
+    with pytest.raises(ParamsError) as info:
+        parse_params(raw)
+    assert [k for k, _ in info.value.problems] == ["train.batch_size", "(top level)"]
+    assert "data.image_size=48 is not supported" in str(info.value)
+
+
 def test_invalid_yaml_and_missing_file_are_params_errors(tmp_path):
     path = tmp_path / "params.yaml"
     path.write_text("data: [unclosed")
