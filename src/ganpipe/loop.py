@@ -17,7 +17,7 @@ from tqdm import tqdm
 from ganpipe import runtime
 from ganpipe.data.dataset import uint8_to_float
 from ganpipe.ema import EmaGenerator
-from ganpipe.losses import LOSSES
+from ganpipe.losses import build_loss
 from ganpipe.nets import build_models
 from ganpipe.params import Params
 from ganpipe.sampling import image_grid
@@ -75,7 +75,37 @@ class TrainResult:
     d: torch.nn.Module
     g_ema: EmaGenerator
     images_seen: int
-    steps: int
+    iterations: int
+    skipped_steps: int
+
+
+def build_gan(params: Params, device: torch.device) -> tuple[Gan, EmaGenerator]:
+    """G, D, their optimizers, the loss, precision tools and the EMA of G, as params say."""
+    cfg = params.train
+    g, d = build_models(
+        params.model,
+        params.data.image_size,
+        params.data.channels,
+        runtime.seeded_generator(params.seed, "init"),
+        cfg.activation_checkpointing,
+    )
+    g, d = g.to(device), d.to(device)
+    gan = Gan(
+        g=g,
+        d=d,
+        opt_g=torch.optim.Adam(g.parameters(), lr=cfg.lr_g, betas=cfg.betas),
+        opt_d=torch.optim.Adam(d.parameters(), lr=cfg.lr_d, betas=cfg.betas),
+        loss=build_loss(cfg),
+        scaler=runtime.grad_scaler(params.precision, device),
+        autocast=runtime.autocast_factory(params.precision, device),
+    )
+    return gan, EmaGenerator(g, cfg.ema_kimg)
+
+
+def to_device_images(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Move a batch to the device; uint8 batches (a quarter of the bytes) convert there."""
+    batch = batch.to(device, non_blocking=True)
+    return uint8_to_float(batch) if batch.dtype == torch.uint8 else batch
 
 
 def train(
@@ -87,10 +117,14 @@ def train(
 ) -> TrainResult:
     """Train G and D on ``dataset`` as ``params`` says.
 
+    One iteration makes ``train.n_critic`` D updates (each on its own real batch) and one G
+    update; training stops once ``train.kimg`` thousand real images have been shown to D.
+
     Raises:
         ValueError: the batch does not fit the dataset.
-        FloatingPointError: a loss became NaN or infinite (the message names the steps,
-            the strategy and the loss).
+        FloatingPointError: a loss became NaN or infinite in fp32/bf16 (the message names
+            the step, the strategy and the loss). fp16 leaves inf/NaN to the GradScaler,
+            which skips those steps; they are counted in ``amp/skipped_steps``.
     """
     cfg, seed = params.train, params.seed
     if len(dataset) < cfg.batch_size:
@@ -98,25 +132,14 @@ def train(
             f"train.batch_size={cfg.batch_size} is larger than the training set "
             f"({len(dataset)} images); lower it or add data"
         )
-    channels, size = params.data.channels, params.data.image_size
-    g, d = build_models(params.model, size, channels, runtime.seeded_generator(seed, "init"))
-    g, d = g.to(device), d.to(device)
-    g_ema = EmaGenerator(g, cfg.ema_kimg)
-    gan = Gan(
-        g=g,
-        d=d,
-        opt_g=torch.optim.Adam(g.parameters(), lr=cfg.lr_g, betas=cfg.betas),
-        opt_d=torch.optim.Adam(d.parameters(), lr=cfg.lr_d, betas=cfg.betas),
-        loss=LOSSES[cfg.loss],
-        scaler=runtime.grad_scaler(params.precision, device),
-        autocast=runtime.autocast_factory(params.precision, device),
-    )
-    step_fn = STRATEGIES[cfg.strategy]
+    gan, g_ema = build_gan(params, device)
+    strategy = STRATEGIES[cfg.strategy]
+    z_dim, per_iteration = params.model.z_dim, cfg.batch_size * cfg.n_critic
 
-    total_steps = math.ceil(cfg.kimg * 1000 / cfg.batch_size)
-    log_every = max(1, round(cfg.log_every_kimg * 1000 / cfg.batch_size))
-    snapshot_every = max(1, round(cfg.snapshot_kimg * 1000 / cfg.batch_size))
-    sampler = EpochBatchSampler(len(dataset), cfg.batch_size, seed, 0, total_steps)
+    iterations = math.ceil(cfg.kimg * 1000 / per_iteration)
+    log_every = max(1, round(cfg.log_every_kimg * 1000 / per_iteration))
+    snapshot_every = max(1, round(cfg.snapshot_kimg * 1000 / per_iteration))
+    sampler = EpochBatchSampler(len(dataset), cfg.batch_size, seed, 0, iterations * cfg.n_critic)
     loader = DataLoader(
         dataset,
         batch_sampler=sampler,
@@ -126,14 +149,18 @@ def train(
         pin_memory=device.type == "cuda",
         persistent_workers=cfg.num_workers > 0,
     )
-    fixed_z = latents(seed, -1, params.generate.grid_rows**2, params.model.z_dim).to(device)
+    batches = iter(loader)
+    fixed_z = latents(seed, -1, params.generate.grid_rows**2, z_dim).to(device)
+    check_finite = params.precision != "fp16"
 
-    g.train()
-    d.train()
+    gan.g.train()
+    gan.d.train()
     sums: dict[str, torch.Tensor] = {}
-    since, last_log_step = time.perf_counter(), 0
+    # The first non-finite step, tracked on the device: no host sync per step.
+    first_bad = torch.full((), -1, dtype=torch.long, device=device)
+    skipped, since, last_log = 0, time.perf_counter(), 0
     bar = tqdm(
-        total=total_steps * cfg.batch_size,
+        total=iterations * per_iteration,
         unit="img",
         unit_scale=True,
         desc="train",
@@ -142,48 +169,62 @@ def train(
         dynamic_ncols=True,
     )
     with bar:
-        for step, (real, _labels) in enumerate(loader):
-            # uint8 batches (LmdbImageDataset(as_uint8=True)) cross to the device at a
-            # quarter of the bytes and are converted there.
-            real = real.to(device, non_blocking=True)
-            if real.dtype == torch.uint8:
-                real = uint8_to_float(real)
-            z = latents(seed, step, cfg.batch_size, params.model.z_dim).to(device)
-            stats = step_fn(gan, real, z)
-            gan.scaler.update()
-            g_ema.update(g, cfg.batch_size)
+        for it in range(iterations):
+            first_batch = it * cfg.n_critic
+            reals = [to_device_images(next(batches)[0], device) for _ in range(cfg.n_critic)]
+            zs = [
+                latents(seed, first_batch + k, cfg.batch_size, z_dim).to(device)
+                for k in range(cfg.n_critic)
+            ]
+            stats = strategy(gan, reals, zs)
+            if gan.scaler.is_enabled():
+                scale = gan.scaler.get_scale()
+                gan.scaler.update()
+                skipped += gan.scaler.get_scale() < scale  # the scale drops on a skipped step
+            g_ema.update(gan.g, per_iteration)
+            if check_finite:
+                finite = torch.isfinite(stats["loss/d"]) & torch.isfinite(stats["loss/g"])
+                first_bad = torch.where((first_bad < 0) & ~finite, it, first_bad)
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0) + value
-            bar.update(cfg.batch_size)
+            bar.update(per_iteration)
 
-            done = step + 1
-            images_seen = done * cfg.batch_size
-            if done % log_every == 0 or done == total_steps:
+            done = it + 1
+            images_seen = done * per_iteration
+            if done % log_every == 0 or done == iterations:
                 # .item() is a host-device sync: only here, once per logging interval.
-                means = {k: v.item() / (done - last_log_step) for k, v in sums.items()}
-                bad = [k for k, v in means.items() if not math.isfinite(v)]
-                if bad:
+                if first_bad.item() >= 0:
                     raise FloatingPointError(
-                        f"non-finite {', '.join(bad)} between steps {last_log_step + 1} and "
-                        f"{done} (train.strategy={cfg.strategy}, train.loss={cfg.loss}, "
-                        f"precision={params.precision}); lower the learning rates or use fp32"
+                        f"non-finite loss at step {first_bad.item() + 1} "
+                        f"(train.strategy={cfg.strategy}, train.loss={cfg.loss}, "
+                        f"precision={params.precision}, loss/d={stats['loss/d'].item():.4g}, "
+                        f"loss/g={stats['loss/g'].item():.4g} at step {done}); lower "
+                        "train.lr_g / train.lr_d, or use precision fp32"
                     )
                 now = time.perf_counter()
-                means["perf/images_per_s"] = (done - last_log_step) * cfg.batch_size / (now - since)
+                means = {k: v.item() / (done - last_log) for k, v in sums.items()}
+                means["perf/images_per_s"] = (done - last_log) * per_iteration / (now - since)
                 means["kimg"] = images_seen / 1000
                 means["lr/g"] = gan.opt_g.param_groups[0]["lr"]
                 means["lr/d"] = gan.opt_d.param_groups[0]["lr"]
+                if gan.scaler.is_enabled():
+                    means["amp/skipped_steps"] = float(skipped)
+                    means["amp/scale"] = gan.scaler.get_scale()
                 if logger is not None:
                     logger.log_scalars(images_seen, means)
                 bar.set_postfix(
                     {"loss/d": f"{means['loss/d']:.3f}", "loss/g": f"{means['loss/g']:.3f}"},
                     refresh=False,
                 )
-                sums, since, last_log_step = {}, now, done
-            if logger is not None and (done % snapshot_every == 0 or done == total_steps):
+                sums, since, last_log = {}, now, done
+            if logger is not None and (done % snapshot_every == 0 or done == iterations):
                 logger.log_grid(images_seen, snapshot(g_ema, fixed_z, params.generate.grid_rows))
-    log.info("trained %d steps, %.1f kimg", total_steps, total_steps * cfg.batch_size / 1000)
-    return TrainResult(g.cpu(), d.cpu(), g_ema.cpu(), total_steps * cfg.batch_size, total_steps)
+    if skipped:
+        log.warning("the fp16 GradScaler skipped %d of %d iterations", skipped, iterations)
+    log.info("trained %d iterations, %.1f kimg", iterations, iterations * per_iteration / 1000)
+    return TrainResult(
+        gan.g.cpu(), gan.d.cpu(), g_ema.cpu(), iterations * per_iteration, iterations, int(skipped)
+    )
 
 
 @torch.no_grad()

@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 from torch.nn.utils.parametrizations import spectral_norm
+from torch.utils.checkpoint import checkpoint
 
 from ganpipe.params import DCGAN_IMAGE_SIZES, ModelParams
 
@@ -39,57 +40,101 @@ def _num_doublings(image_size: int) -> int:
     return int(math.log2(image_size)) - 2
 
 
-class DcganGenerator(nn.Module):
+class _Blocks(nn.Module):
+    """A chain of blocks, optionally with activation checkpointing per block."""
+
+    def __init__(self, blocks: list[nn.Module], checkpointing: bool):
+        super().__init__()
+        self.main = nn.Sequential(*blocks)
+        self.checkpointing = checkpointing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.main:
+            if self.checkpointing and torch.is_grad_enabled():
+                # Non-reentrant: works with inputs that need no grad, and with
+                # backward(inputs=...). Recomputation replays the RNG state; BatchNorm's
+                # running statistics see the recomputed batch once more.
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return x
+
+
+class DcganGenerator(_Blocks):
     """z ``(N, z_dim)`` -> image ``(N, channels, size, size)`` in [-1, 1]."""
 
-    def __init__(self, z_dim: int, width: int, channels: int, image_size: int, norm: str):
-        super().__init__()
-        self.z_dim = z_dim
+    def __init__(
+        self,
+        z_dim: int,
+        width: int,
+        channels: int,
+        image_size: int,
+        norm: str,
+        checkpointing: bool = False,
+    ):
         ups = _num_doublings(image_size)
         widths = [width * 2 ** (ups - 1 - i) for i in range(ups)]  # e.g. 512, 256, 128, 64
         bias = norm in ("none", "spectral")  # a bias before a norm layer is redundant
-        layers: list[nn.Module] = [
-            _conv(norm, nn.ConvTranspose2d(z_dim, widths[0], 4, 1, 0, bias=bias)),
-            _norm(norm, widths[0]),
-            nn.ReLU(inplace=True),
+        blocks: list[nn.Module] = [
+            nn.Sequential(
+                _conv(norm, nn.ConvTranspose2d(z_dim, widths[0], 4, 1, 0, bias=bias)),
+                _norm(norm, widths[0]),
+                nn.ReLU(inplace=True),
+            )
         ]
         for c_in, c_out in itertools.pairwise(widths):
-            layers += [
-                _conv(norm, nn.ConvTranspose2d(c_in, c_out, 4, 2, 1, bias=bias)),
-                _norm(norm, c_out),
-                nn.ReLU(inplace=True),
-            ]
-        layers += [nn.ConvTranspose2d(widths[-1], channels, 4, 2, 1, bias=False), nn.Tanh()]
-        self.main = nn.Sequential(*layers)
+            blocks.append(
+                nn.Sequential(
+                    _conv(norm, nn.ConvTranspose2d(c_in, c_out, 4, 2, 1, bias=bias)),
+                    _norm(norm, c_out),
+                    nn.ReLU(inplace=True),
+                )
+            )
+        blocks.append(
+            nn.Sequential(nn.ConvTranspose2d(widths[-1], channels, 4, 2, 1, bias=False), nn.Tanh())
+        )
+        super().__init__(blocks, checkpointing)
+        self.z_dim = z_dim
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.main(z.view(z.shape[0], self.z_dim, 1, 1))
+        return super().forward(z.view(z.shape[0], self.z_dim, 1, 1))
 
 
-class DcganDiscriminator(nn.Module):
-    """image ``(N, channels, size, size)`` -> logit ``(N,)``."""
+class DcganDiscriminator(_Blocks):
+    """image ``(N, channels, size, size)`` -> score (logit) ``(N,)``."""
 
-    def __init__(self, width: int, channels: int, image_size: int, norm: str):
-        super().__init__()
+    def __init__(
+        self,
+        width: int,
+        channels: int,
+        image_size: int,
+        norm: str,
+        checkpointing: bool = False,
+    ):
         downs = _num_doublings(image_size)
         widths = [width * 2**i for i in range(downs)]  # e.g. 64, 128, 256, 512
         bias = norm in ("none", "spectral")
-        # No norm on the first layer, as in the paper.
-        layers: list[nn.Module] = [
-            _conv(norm, nn.Conv2d(channels, widths[0], 4, 2, 1, bias=True)),
-            nn.LeakyReLU(0.2, inplace=True),
+        # No norm on the first layer, as in the paper. Biases only where no norm follows
+        # any layer (none, spectral), as in the PyTorch DCGAN example otherwise.
+        blocks: list[nn.Module] = [
+            nn.Sequential(
+                _conv(norm, nn.Conv2d(channels, widths[0], 4, 2, 1, bias=bias)),
+                nn.LeakyReLU(0.2, inplace=True),
+            )
         ]
         for c_in, c_out in itertools.pairwise(widths):
-            layers += [
-                _conv(norm, nn.Conv2d(c_in, c_out, 4, 2, 1, bias=bias)),
-                _norm(norm, c_out),
-                nn.LeakyReLU(0.2, inplace=True),
-            ]
-        layers.append(_conv(norm, nn.Conv2d(widths[-1], 1, 4, 1, 0, bias=True)))
-        self.main = nn.Sequential(*layers)
+            blocks.append(
+                nn.Sequential(
+                    _conv(norm, nn.Conv2d(c_in, c_out, 4, 2, 1, bias=bias)),
+                    _norm(norm, c_out),
+                    nn.LeakyReLU(0.2, inplace=True),
+                )
+            )
+        blocks.append(_conv(norm, nn.Conv2d(widths[-1], 1, 4, 1, 0, bias=bias)))
+        super().__init__(blocks, checkpointing)
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
-        return self.main(image).flatten()
+        return super().forward(image).flatten()
 
 
 def init_weights(module: nn.Module) -> None:
@@ -107,14 +152,20 @@ def init_weights(module: nn.Module) -> None:
 
 
 def build_models(
-    model: ModelParams, image_size: int, channels: int, generator: torch.Generator
+    model: ModelParams,
+    image_size: int,
+    channels: int,
+    generator: torch.Generator,
+    checkpointing: bool = False,
 ) -> tuple[DcganGenerator, DcganDiscriminator]:
     """Build and initialise G and D; ``generator`` alone decides the initial weights."""
     # Spectral norm draws its power-iteration vector at construction: seed that too.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
-        g = DcganGenerator(model.z_dim, model.g_width, channels, image_size, model.norm)
-        d = DcganDiscriminator(model.d_width, channels, image_size, model.norm)
+        g = DcganGenerator(
+            model.z_dim, model.g_width, channels, image_size, model.norm, checkpointing
+        )
+        d = DcganDiscriminator(model.d_width, channels, image_size, model.norm, checkpointing)
         init_weights(g)
         init_weights(d)
     return g, d

@@ -117,8 +117,15 @@ class TrainParams(_Section):
 
     strategy: Literal["d_first_retain", "d_first_detach", "g_first_detach"] = "d_first_detach"
     """Update strategy; see README "Update strategies"."""
-    loss: Literal["bce"] = "bce"
-    """bce: D minimises binary cross-entropy, G the non-saturating loss."""
+    loss: Literal["bce", "hinge", "wgan_gp"] = "bce"
+    """bce: binary cross-entropy for D, non-saturating loss for G; hinge: hinge loss for D,
+    -D(G(z)) for G; wgan_gp: Wasserstein critic with gradient penalty (use n_critic 5)."""
+    gp_weight: float = Field(10.0, ge=0)
+    """Weight λ of WGAN-GP's gradient penalty (only with loss wgan_gp)."""
+    r1_gamma: float = Field(0.0, ge=0)
+    """Weight γ of the R1 penalty γ/2·E||∇D(x)||² on real images, with any loss; 0 = off."""
+    n_critic: int = Field(1, ge=1, le=100)
+    """D updates per G update; each D update sees its own real batch."""
     batch_size: int = Field(64, ge=1, le=65536)
     """Global batch size (images per optimizer step)."""
     kimg: float = Field(200.0, gt=0)
@@ -137,6 +144,9 @@ class TrainParams(_Section):
     """Interval of progress grids (fixed latents) in the training log, in thousands of images."""
     log_every_kimg: float = Field(1.0, gt=0)
     """Interval of scalar logging (losses, D outputs, images/s), in thousands of images."""
+    activation_checkpointing: bool = False
+    """Recompute each G and D block's activations in backward (torch.utils.checkpoint,
+    non-reentrant) instead of storing them: less memory, one more forward per block."""
     num_workers: int = Field(0, ge=0, le=64)
     """DataLoader worker processes. 0 reads in the training process, which is fastest for
     small images on a 2-core machine."""
@@ -167,34 +177,54 @@ class Params(_Section):
 
     @model_validator(mode="after")
     def _sections_fit_together(self) -> Params:
-        problems = _cross_section_problems(self.data, self.model)
+        problems = _cross_section_problems(self.data, self.model, self.train)
         if problems:
             raise ValueError("; ".join(problems))
         return self
 
 
-def _cross_section_problems(data: DataParams, model: ModelParams) -> list[str]:
-    """Rules that involve more than one section."""
-    if model.arch == "dcgan" and data.image_size not in DCGAN_IMAGE_SIZES:
-        return [
+def _cross_section_problems(
+    data: DataParams | None, model: ModelParams | None, train: TrainParams | None
+) -> list[str]:
+    """Rules that involve more than one section; a ``None`` section (invalid) skips its rules."""
+    problems = []
+    if data and model and model.arch == "dcgan" and data.image_size not in DCGAN_IMAGE_SIZES:
+        problems.append(
             f"data.image_size={data.image_size} is not supported by model.arch=dcgan; "
             f"use one of {', '.join(map(str, DCGAN_IMAGE_SIZES))}"
-        ]
-    return []
+        )
+    if (
+        train
+        and model
+        and (train.loss == "wgan_gp" or train.r1_gamma > 0)
+        and (model.norm == "batch")
+    ):
+        problems.append(
+            f"train.loss={train.loss} with train.r1_gamma={train.r1_gamma} penalises D's "
+            "gradient per sample, which BatchNorm (model.norm=batch) mixes across the batch; "
+            "use model.norm layer, instance, spectral or none"
+        )
+    return problems
+
+
+def _valid_or_none(section: type[_Section], raw: Any) -> Any:
+    try:
+        return section.model_validate(raw or {})
+    except ValidationError:
+        return None  # the section's own problems are listed already
 
 
 def _cross_section_problems_of_raw(raw: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Cross-section rules, checked even when unrelated sections are invalid.
 
     Pydantic skips ``Params``' own validator when any section fails; this runs the same
-    rules whenever the sections involved are valid by themselves, so they are reported too.
+    rules for every combination of sections that are valid by themselves.
     """
-    try:
-        data = DataParams.model_validate(raw.get("data") or {})
-        model = ModelParams.model_validate(raw.get("model") or {})
-    except ValidationError:
-        return []  # those sections' own problems are already listed
-    return [("(top level)", problem) for problem in _cross_section_problems(data, model)]
+    sections = [
+        _valid_or_none(section, raw.get(name))
+        for name, section in (("data", DataParams), ("model", ModelParams), ("train", TrainParams))
+    ]
+    return [("(top level)", p) for p in _cross_section_problems(*sections)]
 
 
 def _fields_at(loc: tuple[Any, ...]) -> list[str]:

@@ -84,7 +84,7 @@ def test_train_then_generate_in_process(tmp_path, monkeypatch):
     # the EMA differs from G (half-life 50 images over 160) but not wildly
     g = load(project / "models/generator.pt")["state_dict"]
     ema = load(project / "models/g_ema.pt")["state_dict"]
-    key = "main.0.weight"
+    key = "main.0.0.weight"
     assert not torch.equal(g[key], ema[key])
 
 
@@ -123,7 +123,7 @@ def test_strategies_d_first_detach_differs_retain_equals_g_first(tmp_path, monke
         g[strategy] = load(project / "models/generator.pt")["state_dict"]
         d[strategy] = load(project / "models/discriminator.pt")["state_dict"]
     assert not torch.equal(
-        g["d_first_detach"]["main.0.weight"], g["d_first_retain"]["main.0.weight"]
+        g["d_first_detach"]["main.0.0.weight"], g["d_first_retain"]["main.0.0.weight"]
     )
     for name, tensor in g["d_first_retain"].items():
         assert torch.equal(tensor, g["g_first_detach"][name]), name
