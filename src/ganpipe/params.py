@@ -204,6 +204,12 @@ def _cross_section_problems(
             "gradient per sample, which BatchNorm (model.norm=batch) mixes across the batch; "
             "use model.norm layer, instance, spectral or none"
         )
+    if train and model and train.activation_checkpointing and model.norm == "spectral":
+        problems.append(
+            "train.activation_checkpointing=true with model.norm=spectral: the recomputed "
+            "forward would advance spectral norm's power iteration a second time and change "
+            "the gradients; turn checkpointing off or use another norm"
+        )
     return problems
 
 

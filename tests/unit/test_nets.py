@@ -1,0 +1,77 @@
+"""DCGAN shapes, sizes, initialisation and activation checkpointing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ganpipe.ema import EmaGenerator
+from ganpipe.nets import build_models
+from ganpipe.params import ModelParams
+
+
+def count(net):
+    return sum(p.numel() for p in net.parameters())
+
+
+def test_paper_layout_at_64_pixels_matches_the_pytorch_example():
+    g, d = build_models(ModelParams(g_width=64, d_width=64), 64, 3, torch.Generator())
+    assert count(g) == 3_576_704 and count(d) == 2_765_568
+
+
+@pytest.mark.parametrize("size", [16, 32, 64])
+@pytest.mark.parametrize("norm", ["batch", "instance", "layer", "spectral", "none"])
+def test_shapes_for_every_size_and_norm(size, norm):
+    g, d = build_models(
+        ModelParams(z_dim=8, g_width=4, d_width=4, norm=norm),
+        size,
+        1,
+        torch.Generator().manual_seed(0),
+    )
+    images = g(torch.randn(3, 8))
+    assert images.shape == (3, 1, size, size) and images.abs().max() <= 1
+    assert d(images).shape == (3,)
+
+
+def test_initialisation_is_the_papers_and_seeded():
+    g, _ = build_models(ModelParams(), 64, 3, torch.Generator().manual_seed(0))
+    weight = g.main[1][0].weight
+    assert abs(weight.std().item() - 0.02) < 0.002 and abs(weight.mean().item()) < 0.002
+    bn = g.main[1][1]
+    assert abs(bn.weight.mean().item() - 1) < 0.01
+    again, _ = build_models(ModelParams(), 64, 3, torch.Generator().manual_seed(0))
+    assert torch.equal(weight, again.main[1][0].weight)
+
+
+@pytest.mark.parametrize("norm", ["batch", "instance", "layer", "none"])
+def test_activation_checkpointing_gives_identical_gradients(norm):
+    grads = []
+    for checkpointing in (False, True):
+        g, d = build_models(
+            ModelParams(z_dim=8, g_width=8, d_width=8, norm=norm),
+            32,
+            3,
+            torch.Generator().manual_seed(0),
+            checkpointing,
+        )
+        z = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        d(g(z)).square().mean().backward()
+        grads.append([p.grad for p in [*g.parameters(), *d.parameters()]])
+    for without, with_ in zip(*grads, strict=True):
+        assert torch.equal(without, with_)
+
+
+def test_ema_follows_the_half_life():
+    g, _ = build_models(ModelParams(z_dim=4, g_width=2), 16, 1, torch.Generator())
+    ema = EmaGenerator(g, half_life_kimg=0.064)  # 64 images
+    start = next(ema.parameters()).detach().clone()
+    with torch.no_grad():
+        for p in g.parameters():
+            p.add_(1.0)
+    ema.update(g, 64)  # one half-life: half way to the new weights
+    torch.testing.assert_close(next(ema.parameters()), start + 0.5)
+    assert not any(p.requires_grad for p in ema.parameters())
+    assert "module.main.0.0.weight" in ema.state_dict()
+    off = EmaGenerator(g, half_life_kimg=0)
+    off.update(g, 64)
+    torch.testing.assert_close(next(off.parameters()), next(g.parameters()))

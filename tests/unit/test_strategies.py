@@ -1,0 +1,221 @@
+"""The update strategies against hand-written references (tiny MLPs, float64, SGD)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from ganpipe.losses import bce_d, bce_g, build_loss
+from ganpipe.params import TrainParams
+from ganpipe.strategies import STRATEGIES, Gan
+
+LR = 0.1
+NAMES = list(STRATEGIES)
+
+
+def tiny_nets(seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    g = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    d = nn.Sequential(nn.Linear(3, 8), nn.LeakyReLU(0.2), nn.Linear(8, 1), nn.Flatten(0)).double()
+    return g, d
+
+
+def make_gan(g: nn.Module, d: nn.Module) -> Gan:
+    return Gan(
+        g=g,
+        d=d,
+        opt_g=torch.optim.SGD(g.parameters(), lr=LR),
+        opt_d=torch.optim.SGD(d.parameters(), lr=LR),
+        loss=build_loss(TrainParams()),
+        scaler=torch.amp.GradScaler("cpu", enabled=False),
+        autocast=contextlib.nullcontext,
+    )
+
+
+def batches(n_critic: int, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    reals = [torch.randn(5, 3, generator=gen, dtype=torch.float64) for _ in range(n_critic)]
+    zs = [torch.randn(5, 4, generator=gen, dtype=torch.float64) for _ in range(n_critic)]
+    return reals, zs
+
+
+# --- the references: explicit torch.autograd.grad on explicit parameter dicts ------------
+
+
+def params_of(net):
+    return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def d_update(g, d, gp, dp, real, z):
+    """One SGD step of D on BCE, fakes from G with parameters gp. Returns (new dp, grads)."""
+    dp = {n: p.clone().requires_grad_(True) for n, p in dp.items()}
+    fake = functional_call(g, gp, (z,)).detach()
+    loss = bce_d(functional_call(d, dp, (real,)), functional_call(d, dp, (fake,)))
+    grads = dict(zip(dp, torch.autograd.grad(loss, list(dp.values())), strict=True))
+    return {n: (p - LR * grads[n]).detach() for n, p in dp.items()}, grads
+
+
+def g_grads(g, d, gp, dp, z):
+    """G's BCE gradient against D with parameters dp."""
+    gp = {n: p.clone().requires_grad_(True) for n, p in gp.items()}
+    loss = bce_g(functional_call(d, dp, (functional_call(g, gp, (z,)),)))
+    return dict(zip(gp, torch.autograd.grad(loss, list(gp.values())), strict=True))
+
+
+def sgd(params, grads):
+    return {n: p - LR * grads[n] for n, p in params.items()}
+
+
+def reference(name, g, d, reals, zs):
+    """Returns (G params, D params, G grads, D grads of the last D update)."""
+    gp, dp = params_of(g), params_of(d)
+    if name == "d_first_detach":
+        for real, z in zip(reals, zs, strict=True):
+            dp, gd = d_update(g, d, gp, dp, real, z)
+        gg = g_grads(g, d, gp, dp, zs[-1])  # against the D updated this iteration
+        return sgd(gp, gg), dp, gg, gd
+    if name == "d_first_retain":
+        for real, z in zip(reals[:-1], zs[:-1], strict=True):
+            dp, _ = d_update(g, d, gp, dp, real, z)
+        gg = g_grads(g, d, gp, dp, zs[-1])  # against the D before the last update
+        dp, gd = d_update(g, d, gp, dp, reals[-1], zs[-1])
+        return sgd(gp, gg), dp, gg, gd
+    if name == "g_first_detach":
+        gg = g_grads(g, d, gp, dp, zs[0])
+        new_gp = sgd(gp, gg)
+        dp, gd = d_update(g, d, gp, dp, reals[0], zs[0])  # fakes of the pre-update G
+        first_gd = gd
+        for real, z in zip(reals[1:], zs[1:], strict=True):
+            dp, gd = d_update(g, d, new_gp, dp, real, z)
+        return new_gp, dp, gg, first_gd if len(reals) == 1 else gd
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("n_critic", [1, 3])
+@pytest.mark.parametrize("name", NAMES)
+def test_strategy_equals_its_reference(name, n_critic):
+    g, d = tiny_nets()
+    reals, zs = batches(n_critic)
+    ref_gp, ref_dp, ref_gg, ref_gd = reference(name, copy.deepcopy(g), copy.deepcopy(d), reals, zs)
+    gan = make_gan(g, d)
+    stats = STRATEGIES[name](gan, reals, zs)
+    for n, p in g.named_parameters():
+        torch.testing.assert_close(p.detach(), ref_gp[n], rtol=0, atol=1e-12)
+        # G's gradient is exactly its own loss's: D's loss leaked nothing into it
+        torch.testing.assert_close(p.grad, ref_gg[n], rtol=0, atol=1e-12)
+    for n, p in d.named_parameters():
+        torch.testing.assert_close(p.detach(), ref_dp[n], rtol=0, atol=1e-12)
+        if n_critic == 1:
+            torch.testing.assert_close(p.grad, ref_gd[n], rtol=0, atol=1e-12)
+    assert set(stats) >= {"loss/d", "loss/g", "d/real", "d/fake", "grad_norm/d", "grad_norm/g"}
+
+
+def test_literal_retain_graph_code_raises_and_ours_does_not():
+    g, d = tiny_nets()
+    gan = make_gan(g, d)
+    reals, zs = batches(1)
+    fake_scores = d(g(zs[0]))
+    d_loss = bce_d(d(reals[0]), fake_scores)
+    g_loss = bce_g(fake_scores)
+    gan.opt_d.zero_grad()
+    gan.opt_g.zero_grad()
+    d_loss.backward(retain_graph=True)
+    gan.opt_d.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        g_loss.backward()
+    g, d = tiny_nets()
+    STRATEGIES["d_first_retain"](make_gan(g, d), reals, zs)  # the well-defined version
+
+
+def simultaneous_mistake(g, d, reals, zs):
+    """Zero both, two overlapping backwards, step both: each loss leaks into the other net."""
+    opt_g = torch.optim.SGD(g.parameters(), lr=LR)
+    opt_d = torch.optim.SGD(d.parameters(), lr=LR)
+    opt_g.zero_grad()
+    opt_d.zero_grad()
+    fake_scores = d(g(zs[0]))
+    bce_d(d(reals[0]), fake_scores).backward(retain_graph=True)
+    bce_g(fake_scores).backward()
+    opt_d.step()
+    opt_g.step()
+
+
+def test_the_simultaneous_mistake_differs_from_every_strategy():
+    reals, zs = batches(1)
+    g0, d0 = tiny_nets()
+    simultaneous_mistake(g0, d0, reals, zs)
+    mistake = torch.cat([p.detach().flatten() for p in [*g0.parameters(), *d0.parameters()]])
+    for name in NAMES:
+        g, d = tiny_nets()
+        STRATEGIES[name](make_gan(g, d), reals, zs)
+        ours = torch.cat([p.detach().flatten() for p in [*g.parameters(), *d.parameters()]])
+        assert (ours - mistake).abs().max() > 1e-4, name
+
+
+class PassCounter:
+    """Counts forwards and backwards through G and D, and gradient computations per param."""
+
+    def __init__(self, g: nn.Module, d: nn.Module, real: torch.Tensor):
+        self.counts = {"G": 0, "D(fake)": 0, "D(real)": 0, "G backward": 0, "D backward": 0}
+        self.param_grads = {"G": 0, "D": 0}
+        self.real = real
+        g.register_forward_hook(lambda m, args, out: self._forward("G", out))
+        d.register_forward_hook(
+            lambda m, args, out: self._forward(
+                "D(real)" if args[0] is self.real else "D(fake)", out
+            )
+        )
+        for net, name in ((g, "G"), (d, "D")):
+            for p in net.parameters():
+                p.register_hook(lambda grad, name=name: self._grad(name))
+
+    def _forward(self, key, out):
+        self.counts[key] += 1
+        # A backward pass through the network computes the gradient of its output.
+        if out.requires_grad:
+            net = key[0]
+            out.register_hook(lambda grad: self._add(f"{net} backward"))
+
+    def _add(self, key):
+        self.counts[key] += 1
+
+    def _grad(self, name):
+        self.param_grads[name] += 1
+
+
+EXPECTED_FORWARDS = {  # DESIGN.md's table
+    "d_first_retain": {"G": 1, "D(fake)": 1, "D(real)": 1},
+    "d_first_detach": {"G": 1, "D(fake)": 2, "D(real)": 1},
+    "g_first_detach": {"G": 1, "D(fake)": 2, "D(real)": 1},
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pass_counts_match_the_design_table(name):
+    g, d = tiny_nets()
+    reals, zs = batches(1)
+    counter = PassCounter(g, d, reals[0])
+    STRATEGIES[name](make_gan(g, d), reals, zs)
+    forwards = {k: counter.counts[k] for k in ("G", "D(fake)", "D(real)")}
+    assert forwards == EXPECTED_FORWARDS[name]
+    # backward reaches G once (its own loss only) and D three times: D(real) and D(fake)
+    # for D's loss, D(fake) again for G's loss (to reach G, not D's weights).
+    assert counter.counts["G backward"] == 1
+    assert counter.counts["D backward"] == 3
+    # every parameter's gradient is computed exactly once per step: none is wasted
+    num_g, num_d = len(list(g.parameters())), len(list(d.parameters()))
+    assert counter.param_grads == {"G": num_g, "D": num_d}
+
+
+def test_pass_counter_sees_the_wasted_gradients_of_the_mistake():
+    g, d = tiny_nets()
+    reals, zs = batches(1)
+    counter = PassCounter(g, d, reals[0])
+    simultaneous_mistake(g, d, reals, zs)
+    assert counter.param_grads["G"] == 2 * len(list(g.parameters()))
+    assert counter.param_grads["D"] == 2 * len(list(d.parameters()))
