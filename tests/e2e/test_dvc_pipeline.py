@@ -117,3 +117,32 @@ def test_experiment_with_bad_value_fails_naming_the_key(clone):
     assert "Traceback" not in output
     assert not (clone / "data/train.lmdb").exists()
     assert not list(clone.glob("models/*.pt"))
+
+
+def test_experiments_for_every_strategy_and_loss(clone):
+    sh(["dvc", "repro"], clone)
+    sh(["git", "add", "-A"], clone)
+    sh(["git", "commit", "-qm", "baseline"], clone)
+    runs = [
+        ("s-retain", ["-S", "train.strategy=d_first_retain"]),
+        ("s-gfirst", ["-S", "train.strategy=g_first_detach"]),
+        ("l-hinge", ["-S", "train.loss=hinge", "-S", "model.norm=spectral"]),
+        (
+            "l-wgan",
+            ["-S", "train.loss=wgan_gp", "-S", "train.n_critic=2", "-S", "model.norm=layer"],
+        ),
+        ("l-r1", ["-S", "train.r1_gamma=1.0", "-S", "model.norm=instance", "-S", "precision=bf16"]),
+    ]
+    for name, overrides in runs:
+        result = sh(["dvc", "exp", "run", "--name", name, *overrides], clone)
+        assert "Running stage 'train'" in result.stdout
+        assert "Running stage 'prepare'" not in result.stdout  # data unchanged: cached
+    shown = json.loads(sh(["dvc", "exp", "show", "--json"], clone).stdout)
+    found = {}
+    for commit in shown:
+        for exp in commit.get("experiments") or []:
+            for revision in exp["revs"]:
+                metrics = revision["data"]["metrics"]["metrics/train/metrics.json"]["data"]
+                found[revision.get("name")] = metrics["loss"]
+    assert set(found) >= {name for name, _ in runs}
+    assert all(all(isinstance(v, float) for v in loss.values()) for loss in found.values())

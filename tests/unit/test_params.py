@@ -19,6 +19,28 @@ def test_repo_params_yaml_is_valid_and_matches_schema_defaults_where_documented(
     assert params.data.image_size in (16, 32, 64)
 
 
+def test_repo_params_yaml_spells_out_every_key():
+    """`dvc exp run -S key=value` can only set keys that params.yaml already has."""
+
+    def keys(model, prefix=""):
+        for name, field in model.model_fields.items():
+            sub = field.annotation
+            if isinstance(sub, type) and issubclass(sub, Params.__mro__[1]):
+                yield from keys(sub, f"{prefix}{name}.")
+            else:
+                yield f"{prefix}{name}"
+
+    def flatten(raw, prefix=""):
+        for name, value in raw.items():
+            if isinstance(value, dict):
+                yield from flatten(value, f"{prefix}{name}.")
+            else:
+                yield f"{prefix}{name}"
+
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    assert set(flatten(raw)) == set(keys(Params))
+
+
 def test_empty_file_means_all_defaults(tmp_path):
     path = tmp_path / "params.yaml"
     path.write_text("")
