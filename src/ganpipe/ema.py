@@ -31,8 +31,10 @@ class EmaGenerator(nn.Module):
     def update(self, generator: nn.Module, num_images: int) -> None:
         """Move the average towards ``generator`` after a step that showed ``num_images``."""
         beta = self.beta(num_images)
-        for avg, live in zip(self.module.parameters(), generator.parameters(), strict=True):
-            avg.lerp_(live.detach(), 1.0 - beta)
+        averages, lives = list(self.module.parameters()), list(generator.parameters())
+        assert len(averages) == len(lives), "the EMA and G must have the same layout"
+        # One fused kernel per device instead of one per parameter.
+        torch._foreach_lerp_(averages, [p.detach() for p in lives], 1.0 - beta)
         for avg, live in zip(self.module.buffers(), generator.buffers(), strict=True):
             avg.copy_(live)
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from ganpipe.instrument import PassCounter
 from ganpipe.losses import bce_d, bce_g, build_loss
 from ganpipe.params import TrainParams
 from ganpipe.strategies import STRATEGIES, Gan
@@ -157,37 +158,6 @@ def test_the_simultaneous_mistake_differs_from_every_strategy():
         assert (ours - mistake).abs().max() > 1e-4, name
 
 
-class PassCounter:
-    """Counts forwards and backwards through G and D, and gradient computations per param."""
-
-    def __init__(self, g: nn.Module, d: nn.Module, real: torch.Tensor):
-        self.counts = {"G": 0, "D(fake)": 0, "D(real)": 0, "G backward": 0, "D backward": 0}
-        self.param_grads = {"G": 0, "D": 0}
-        self.real = real
-        g.register_forward_hook(lambda m, args, out: self._forward("G", out))
-        d.register_forward_hook(
-            lambda m, args, out: self._forward(
-                "D(real)" if args[0] is self.real else "D(fake)", out
-            )
-        )
-        for net, name in ((g, "G"), (d, "D")):
-            for p in net.parameters():
-                p.register_hook(lambda grad, name=name: self._grad(name))
-
-    def _forward(self, key, out):
-        self.counts[key] += 1
-        # A backward pass through the network computes the gradient of its output.
-        if out.requires_grad:
-            net = key[0]
-            out.register_hook(lambda grad: self._add(f"{net} backward"))
-
-    def _add(self, key):
-        self.counts[key] += 1
-
-    def _grad(self, name):
-        self.param_grads[name] += 1
-
-
 EXPECTED_FORWARDS = {  # DESIGN.md's table
     "d_first_retain": {"G": 1, "D(fake)": 1, "D(real)": 1},
     "d_first_detach": {"G": 1, "D(fake)": 2, "D(real)": 1},
@@ -199,7 +169,8 @@ EXPECTED_FORWARDS = {  # DESIGN.md's table
 def test_pass_counts_match_the_design_table(name):
     g, d = tiny_nets()
     reals, zs = batches(1)
-    counter = PassCounter(g, d, reals[0])
+    counter = PassCounter(g, d)
+    counter.watch_real(reals[0])
     STRATEGIES[name](make_gan(g, d), reals, zs)
     forwards = {k: counter.counts[k] for k in ("G", "D(fake)", "D(real)")}
     assert forwards == EXPECTED_FORWARDS[name]
@@ -215,7 +186,8 @@ def test_pass_counts_match_the_design_table(name):
 def test_pass_counter_sees_the_wasted_gradients_of_the_mistake():
     g, d = tiny_nets()
     reals, zs = batches(1)
-    counter = PassCounter(g, d, reals[0])
+    counter = PassCounter(g, d)
+    counter.watch_real(reals[0])
     simultaneous_mistake(g, d, reals, zs)
     assert counter.param_grads["G"] == 2 * len(list(g.parameters()))
     assert counter.param_grads["D"] == 2 * len(list(d.parameters()))
