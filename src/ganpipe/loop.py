@@ -14,12 +14,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
-from ganpipe import runtime
+from ganpipe import dist, runtime
 from ganpipe.data.dataset import uint8_to_float
+from ganpipe.dist import DistContext
 from ganpipe.ema import EmaGenerator
 from ganpipe.losses import build_loss
 from ganpipe.nets import build_models
-from ganpipe.params import Params
+from ganpipe.params import Params, TrainParams
 from ganpipe.sampling import image_grid
 from ganpipe.strategies import STRATEGIES, Gan
 
@@ -35,17 +36,31 @@ class TrainLogger(Protocol):
 
 
 class EpochBatchSampler(Sampler[list[int]]):
-    """Global batches of indices: epoch ``e`` is a permutation seeded by ``(seed, e)``.
+    """This rank's part of global batches: epoch ``e`` is a permutation seeded by ``(seed, e)``.
 
-    Batch ``k`` of the run is a pure function of ``(seed, k)``, so a run can start at any
-    step (resume) and see exactly the batches an uninterrupted run would. The incomplete
-    last batch of each epoch is dropped.
+    Global batch ``k`` of the run is a pure function of ``(seed, k)``, whatever the world
+    size: rank ``r`` of ``w`` takes its ``r``-th contiguous ``1/w`` of it. So one process
+    with the whole batch and ``w`` processes with a share each see the same global batches
+    (what makes DDP equal to one process), and a run can start at any step (resume). This
+    replaces ``DistributedSampler``, whose batches depend on the world size and which can
+    only restart at an epoch boundary. The incomplete last batch of each epoch is dropped.
     """
 
-    def __init__(self, num_items: int, batch_size: int, seed: int, start_step: int, steps: int):
+    def __init__(
+        self,
+        num_items: int,
+        batch_size: int,
+        seed: int,
+        start_step: int,
+        steps: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         self.num_items, self.batch_size, self.seed = num_items, batch_size, seed
         self.start_step, self.steps = start_step, steps
         self.steps_per_epoch = num_items // batch_size
+        share = batch_size // world_size
+        self.share = slice(rank * share, (rank + 1) * share)
 
     def __len__(self) -> int:
         return self.steps - self.start_step
@@ -59,17 +74,17 @@ class EpochBatchSampler(Sampler[list[int]]):
                     self.num_items, generator=runtime.seeded_generator(self.seed, "epoch", epoch)
                 )
             first = (step % self.steps_per_epoch) * self.batch_size
-            yield order[first : first + self.batch_size].tolist()
+            yield order[first : first + self.batch_size][self.share].tolist()
 
 
 def latents(seed: int, step: int, batch_size: int, z_dim: int) -> torch.Tensor:
-    """The latents of step ``step``: a function of the seed and the step only."""
+    """The latents of global batch ``step``: a function of the seed and the step only."""
     return torch.randn(batch_size, z_dim, generator=runtime.seeded_generator(seed, "z", step))
 
 
 @dataclass
 class TrainResult:
-    """The trained networks (on CPU) and how far training went."""
+    """The trained networks (on CPU, unwrapped) and how far training went."""
 
     g: torch.nn.Module
     d: torch.nn.Module
@@ -79,9 +94,17 @@ class TrainResult:
     skipped_steps: int
 
 
-def build_gan(params: Params, device: torch.device) -> tuple[Gan, EmaGenerator]:
-    """G, D, their optimizers, the loss, precision tools and the EMA of G, as params say."""
-    cfg = params.train
+def scaled_lr(lr: float, train: TrainParams) -> float:
+    """``lr`` at ``train.batch_size`` under ``train.lr_scaling`` from ``reference_batch``."""
+    ratio = train.batch_size / train.reference_batch
+    return lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[train.lr_scaling]
+
+
+def build_gan(params: Params, context: DistContext | torch.device) -> tuple[Gan, EmaGenerator]:
+    """G, D (DDP-wrapped when distributed), optimizers, loss, precision tools, EMA of G."""
+    if isinstance(context, torch.device):
+        context = DistContext(device=context)
+    cfg, device = params.train, context.device
     g, d = build_models(
         params.model,
         params.data.image_size,
@@ -89,17 +112,25 @@ def build_gan(params: Params, device: torch.device) -> tuple[Gan, EmaGenerator]:
         runtime.seeded_generator(params.seed, "init"),
         cfg.activation_checkpointing,
     )
-    g, d = g.to(device), d.to(device)
+    g_ema = EmaGenerator(g, cfg.ema_kimg).to(device)
+    sync_bn = params.model.norm == "sync_batch"
+    g, d = dist.wrap(g.to(device), context, sync_bn), dist.wrap(d.to(device), context, sync_bn)
+
+    def optimizer(net: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+        if cfg.optimizer == "sgd":
+            return torch.optim.SGD(net.parameters(), lr=scaled_lr(lr, cfg))
+        return torch.optim.Adam(net.parameters(), lr=scaled_lr(lr, cfg), betas=cfg.betas)
+
     gan = Gan(
         g=g,
         d=d,
-        opt_g=torch.optim.Adam(g.parameters(), lr=cfg.lr_g, betas=cfg.betas),
-        opt_d=torch.optim.Adam(d.parameters(), lr=cfg.lr_d, betas=cfg.betas),
+        opt_g=optimizer(g, cfg.lr_g),
+        opt_d=optimizer(d, cfg.lr_d),
         loss=build_loss(cfg),
         scaler=runtime.grad_scaler(params.precision, device),
         autocast=runtime.autocast_factory(params.precision, device),
     )
-    return gan, EmaGenerator(g, cfg.ema_kimg)
+    return gan, g_ema
 
 
 def to_device_images(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -111,14 +142,15 @@ def to_device_images(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
 def train(
     params: Params,
     dataset: Dataset,
-    device: torch.device,
+    context: DistContext | torch.device,
     logger: TrainLogger | None = None,
     progress: bool = True,
 ) -> TrainResult:
-    """Train G and D on ``dataset`` as ``params`` says.
+    """Train G and D on ``dataset`` as ``params`` says, on one process or as one DDP rank.
 
-    One iteration makes ``train.n_critic`` D updates (each on its own real batch) and one G
-    update; training stops once ``train.kimg`` thousand real images have been shown to D.
+    One iteration makes ``train.n_critic`` D updates (each on its own global batch) and one
+    G update; training stops once ``train.kimg`` thousand real images have been shown to D
+    (counted over all ranks). Only the main rank logs; logged values are means over ranks.
 
     Raises:
         ValueError: the batch does not fit the dataset.
@@ -126,26 +158,38 @@ def train(
             the step, the strategy and the loss). fp16 leaves inf/NaN to the GradScaler,
             which skips those steps; they are counted in ``amp/skipped_steps``.
     """
-    cfg, seed = params.train, params.seed
+    if isinstance(context, torch.device):
+        context = DistContext(device=context)
+    cfg, seed, device = params.train, params.seed, context.device
     if len(dataset) < cfg.batch_size:
         raise ValueError(
             f"train.batch_size={cfg.batch_size} is larger than the training set "
             f"({len(dataset)} images); lower it or add data"
         )
-    gan, g_ema = build_gan(params, device)
+    gan, g_ema = build_gan(params, context)
     strategy = STRATEGIES[cfg.strategy]
     z_dim, per_iteration = params.model.z_dim, cfg.batch_size * cfg.n_critic
+    mine = context.local_slice(cfg.batch_size)
+    logger = logger if context.is_main else None
 
     iterations = math.ceil(cfg.kimg * 1000 / per_iteration)
     log_every = max(1, round(cfg.log_every_kimg * 1000 / per_iteration))
     snapshot_every = max(1, round(cfg.snapshot_kimg * 1000 / per_iteration))
-    sampler = EpochBatchSampler(len(dataset), cfg.batch_size, seed, 0, iterations * cfg.n_critic)
+    sampler = EpochBatchSampler(
+        len(dataset),
+        cfg.batch_size,
+        seed,
+        0,
+        iterations * cfg.n_critic,
+        context.rank,
+        context.world_size,
+    )
     loader = DataLoader(
         dataset,
         batch_sampler=sampler,
         num_workers=cfg.num_workers,
         worker_init_fn=runtime.seed_worker,
-        generator=runtime.seeded_generator(seed, "workers"),
+        generator=runtime.seeded_generator(seed, "workers", context.rank),
         pin_memory=device.type == "cuda",
         persistent_workers=cfg.num_workers > 0,
     )
@@ -157,14 +201,14 @@ def train(
     gan.d.train()
     sums: dict[str, torch.Tensor] = {}
     # The first non-finite step, tracked on the device: no host sync per step.
-    first_bad = torch.full((), -1, dtype=torch.long, device=device)
+    first_bad = torch.full((), -1.0, device=device)
     skipped, since, last_log = 0, time.perf_counter(), 0
     bar = tqdm(
         total=iterations * per_iteration,
         unit="img",
         unit_scale=True,
         desc="train",
-        disable=not progress,
+        disable=not (progress and context.is_main),
         mininterval=1.0,
         dynamic_ncols=True,
     )
@@ -173,7 +217,7 @@ def train(
             first_batch = it * cfg.n_critic
             reals = [to_device_images(next(batches)[0], device) for _ in range(cfg.n_critic)]
             zs = [
-                latents(seed, first_batch + k, cfg.batch_size, z_dim).to(device)
+                latents(seed, first_batch + k, cfg.batch_size, z_dim)[mine].to(device)
                 for k in range(cfg.n_critic)
             ]
             stats = strategy(gan, reals, zs)
@@ -181,28 +225,32 @@ def train(
                 scale = gan.scaler.get_scale()
                 gan.scaler.update()
                 skipped += gan.scaler.get_scale() < scale  # the scale drops on a skipped step
-            g_ema.update(gan.g, per_iteration)
+            g_ema.update(dist.unwrap(gan.g), per_iteration)
             if check_finite:
                 finite = torch.isfinite(stats["loss/d"]) & torch.isfinite(stats["loss/g"])
-                first_bad = torch.where((first_bad < 0) & ~finite, it, first_bad)
+                first_bad = torch.where((first_bad < 0) & ~finite, float(it), first_bad)
             for key, value in stats.items():
-                sums[key] = sums.get(key, 0) + value
+                sums[key] = sums.get(key, 0) + value.float()
             bar.update(per_iteration)
 
             done = it + 1
             images_seen = done * per_iteration
             if done % log_every == 0 or done == iterations:
-                # .item() is a host-device sync: only here, once per logging interval.
-                if first_bad.item() >= 0:
+                # Two small all-reduces and one host sync per logging interval, none per step.
+                bad_step = context.all_max(first_bad.clone()).item()  # -1: all finite
+                if bad_step >= 0:
                     raise FloatingPointError(
-                        f"non-finite loss at step {first_bad.item() + 1} "
+                        f"non-finite loss at step {int(bad_step) + 1} "
                         f"(train.strategy={cfg.strategy}, train.loss={cfg.loss}, "
                         f"precision={params.precision}, loss/d={stats['loss/d'].item():.4g}, "
                         f"loss/g={stats['loss/g'].item():.4g} at step {done}); lower "
                         "train.lr_g / train.lr_d, or use precision fp32"
                     )
+                keys = sorted(sums)
+                totals = context.all_sum(torch.stack([sums[k] for k in keys])).tolist()
                 now = time.perf_counter()
-                means = {k: v.item() / (done - last_log) for k, v in sums.items()}
+                count = (done - last_log) * context.world_size
+                means = {k: v / count for k, v in zip(keys, totals, strict=False)}
                 means["perf/images_per_s"] = (done - last_log) * per_iteration / (now - since)
                 means["kimg"] = images_seen / 1000
                 means["lr/g"] = gan.opt_g.param_groups[0]["lr"]
@@ -222,8 +270,9 @@ def train(
     if skipped:
         log.warning("the fp16 GradScaler skipped %d of %d iterations", skipped, iterations)
     log.info("trained %d iterations, %.1f kimg", iterations, iterations * per_iteration / 1000)
+    g, d = dist.unwrap(gan.g), dist.unwrap(gan.d)
     return TrainResult(
-        gan.g.cpu(), gan.d.cpu(), g_ema.cpu(), iterations * per_iteration, iterations, int(skipped)
+        g.cpu(), d.cpu(), g_ema.cpu(), iterations * per_iteration, iterations, int(skipped)
     )
 
 

@@ -73,9 +73,51 @@ class DevicesParams(_Section):
 
     accelerator: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when available, else CPU."""
+    gpus: Literal["all"] | list[Annotated[int, Field(ge=0)]] = "all"
+    """GPUs the workers may use: all, or a list of indices (becomes CUDA_VISIBLE_DEVICES)."""
+    nproc_per_node: int = Field(1, ge=1, le=1024)
+    """Training processes on this machine (one per GPU on CUDA)."""
+    nnodes: int = Field(1, ge=1, le=4096)
+    """Machines taking part; more than 1 uses torchrun's c10d rendezvous."""
+    node_rank: int = Field(0, ge=0)
+    """This machine's index among the nodes (0 .. nnodes-1)."""
+    rdzv_endpoint: str = Field("127.0.0.1:29400", pattern=r"^[^\s:]+:\d{1,5}$")
+    """host:port of the rendezvous (node 0's address) when nnodes > 1."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Collective backend; auto: nccl on CUDA, gloo on CPU."""
+    timeout_s: int = Field(300, ge=5, le=86400)
+    """Seconds a collective may wait before the run fails (a dead or stuck rank)."""
     cpu_threads: int = Field(2, ge=1, le=256)
     """Intra-op threads per process. On CPU the thread count changes the bits of the result,
     so it is part of the run's configuration."""
+
+    @property
+    def world_size(self) -> int:
+        """Total number of training processes."""
+        return self.nproc_per_node * self.nnodes
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DevicesParams:
+        problems = []
+        if self.node_rank >= self.nnodes:
+            problems.append(
+                f"devices.node_rank={self.node_rank} must be below devices.nnodes={self.nnodes}"
+            )
+        if self.backend == "nccl" and self.accelerator == "cpu":
+            problems.append(
+                "devices.backend=nccl needs CUDA but devices.accelerator=cpu; use backend gloo "
+                "or auto"
+            )
+        if isinstance(self.gpus, list) and len(set(self.gpus)) != len(self.gpus):
+            problems.append(f"devices.gpus={self.gpus} lists a GPU twice")
+        if isinstance(self.gpus, list) and self.gpus and len(self.gpus) < self.nproc_per_node:
+            problems.append(
+                f"devices.nproc_per_node={self.nproc_per_node} is more than the "
+                f"{len(self.gpus)} GPU(s) in devices.gpus={self.gpus}; lower it or list more"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 class DeterminismParams(_Section):
@@ -107,9 +149,11 @@ class ModelParams(_Section):
     """Channels of the generator's last hidden layer; earlier layers double it."""
     d_width: int = Field(64, ge=1, le=1024)
     """Channels of the discriminator's first layer; later layers double it."""
-    norm: Literal["batch", "instance", "layer", "spectral", "none"] = "batch"
-    """Normalisation in G and D hidden layers. batch: BatchNorm (the paper's);
-    instance / layer: per-sample; spectral: spectral norm on every conv instead."""
+    norm: Literal["batch", "sync_batch", "instance", "layer", "spectral", "none"] = "batch"
+    """Normalisation in G and D hidden layers. batch: BatchNorm (the paper's), statistics per
+    process; sync_batch: BatchNorm with statistics over all processes (CUDA only);
+    instance / layer: per-sample (DDP equals one process with the whole batch);
+    spectral: spectral norm on every conv instead."""
 
 
 class TrainParams(_Section):
@@ -130,10 +174,17 @@ class TrainParams(_Section):
     """Global batch size (images per optimizer step)."""
     kimg: float = Field(200.0, gt=0)
     """Length of training, in thousands of real images shown to D."""
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """adam (with betas) or plain sgd (no momentum; a baseline, and exact DDP checks)."""
     lr_g: float = Field(2.0e-4, gt=0, le=1.0)
-    """Adam learning rate of G."""
+    """Learning rate of G at train.reference_batch."""
     lr_d: float = Field(2.0e-4, gt=0, le=1.0)
-    """Adam learning rate of D."""
+    """Learning rate of D at train.reference_batch."""
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """How learning rates follow the batch size: lr * (batch_size / reference_batch) for
+    linear, its square root for sqrt."""
+    reference_batch: int = Field(64, ge=1)
+    """Batch size the learning rates were tuned for (with lr_scaling)."""
     betas: tuple[
         Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]
     ] = (0.5, 0.999)
@@ -177,14 +228,17 @@ class Params(_Section):
 
     @model_validator(mode="after")
     def _sections_fit_together(self) -> Params:
-        problems = _cross_section_problems(self.data, self.model, self.train)
+        problems = _cross_section_problems(self.data, self.model, self.train, self.devices)
         if problems:
             raise ValueError("; ".join(problems))
         return self
 
 
 def _cross_section_problems(
-    data: DataParams | None, model: ModelParams | None, train: TrainParams | None
+    data: DataParams | None,
+    model: ModelParams | None,
+    train: TrainParams | None,
+    devices: DevicesParams | None = None,
 ) -> list[str]:
     """Rules that involve more than one section; a ``None`` section (invalid) skips its rules."""
     problems = []
@@ -203,6 +257,17 @@ def _cross_section_problems(
             f"train.loss={train.loss} with train.r1_gamma={train.r1_gamma} penalises D's "
             "gradient per sample, which BatchNorm (model.norm=batch) mixes across the batch; "
             "use model.norm layer, instance, spectral or none"
+        )
+    if train and devices and train.batch_size % devices.world_size:
+        world = devices.world_size
+        problems.append(
+            f"train.batch_size={train.batch_size} is not divisible by world size {world} "
+            f"(devices.nproc_per_node x devices.nnodes); use a multiple of {world}"
+        )
+    if model and devices and model.norm == "sync_batch" and devices.accelerator == "cpu":
+        problems.append(
+            "model.norm=sync_batch needs CUDA (SyncBatchNorm only works with GPU modules) but "
+            "devices.accelerator=cpu; use norm batch, instance, layer or none on CPU"
         )
     if train and model and train.activation_checkpointing and model.norm == "spectral":
         problems.append(
@@ -228,7 +293,12 @@ def _cross_section_problems_of_raw(raw: Mapping[str, Any]) -> list[tuple[str, st
     """
     sections = [
         _valid_or_none(section, raw.get(name))
-        for name, section in (("data", DataParams), ("model", ModelParams), ("train", TrainParams))
+        for name, section in (
+            ("data", DataParams),
+            ("model", ModelParams),
+            ("train", TrainParams),
+            ("devices", DevicesParams),
+        )
     ]
     return [("(top level)", p) for p in _cross_section_problems(*sections)]
 
@@ -259,6 +329,8 @@ def _describe(error: Mapping[str, Any]) -> tuple[str, str]:
     if kind == "missing" and loc and isinstance(loc[-1], int):
         parent = ".".join(str(p) for p in loc[:-1])
         return parent, f"too few items (got {error.get('input')!r}); see the default in params.yaml"
+    if kind == "string_pattern_mismatch":
+        return key, f"expected host:port, e.g. 10.0.0.1:29400 (got {error.get('input')!r})"
     if kind == "value_error":
         # Our cross-field validators write complete sentences that name their keys.
         return key, str(error["msg"]).removeprefix("Value error, ")

@@ -31,6 +31,35 @@ def seeded_generator(base_seed: int, *purpose: object) -> torch.Generator:
     return torch.Generator().manual_seed(derive_seed(base_seed, *purpose))
 
 
+def wants_cuda(devices: DevicesParams) -> bool:
+    """Whether the run uses CUDA (accelerator cuda, or auto with a GPU present)."""
+    return devices.accelerator == "cuda" or (
+        devices.accelerator == "auto" and torch.cuda.is_available()
+    )
+
+
+def check_gpus(devices: DevicesParams) -> None:
+    """Fail before launching when the selected GPUs cannot host the processes."""
+    available = torch.cuda.device_count()
+    if available == 0:
+        raise ValueError(
+            "devices.accelerator=cuda but CUDA is not available on this machine; "
+            "use devices.accelerator=auto or cpu"
+        )
+    selected = devices.gpus if isinstance(devices.gpus, list) else list(range(available))
+    missing = [g for g in selected if g >= available]
+    if missing:
+        raise ValueError(
+            f"devices.gpus={devices.gpus} names GPU(s) {missing}, but this "
+            f"machine has {available} (0..{available - 1})"
+        )
+    if devices.nproc_per_node > len(selected):
+        raise ValueError(
+            f"devices.nproc_per_node={devices.nproc_per_node} is more than the "
+            f"{len(selected)} GPU(s) selected by devices.gpus={devices.gpus}; lower it"
+        )
+
+
 def resolve_device(devices: DevicesParams) -> torch.device:
     """The torch device for ``devices.accelerator`` (auto: CUDA when available)."""
     if devices.accelerator == "cuda" or (
@@ -45,16 +74,22 @@ def resolve_device(devices: DevicesParams) -> torch.device:
     return torch.device("cpu")
 
 
-def configure_runtime(seed: int, devices: DevicesParams, determinism: DeterminismParams) -> None:
-    """Set thread count, global seeds and determinism flags for this process.
+def configure_runtime(
+    seed: int, devices: DevicesParams, determinism: DeterminismParams, rank: int = 0
+) -> None:
+    """Set thread count, global seeds (per rank) and determinism flags for this process.
+
+    Everything that must agree across ranks (initial weights, data order, latents) uses
+    its own seeded generator; the global RNGs, seeded per rank, only feed per-rank noise
+    (WGAN-GP's mixing weights, dropout-like randomness).
 
     ``CUBLAS_WORKSPACE_CONFIG`` must be in the environment before CUDA initialises; the
     stage entry point sets it (this library reads no environment variables).
     """
     torch.set_num_threads(devices.cpu_threads)
-    random.seed(derive_seed(seed, "python"))
-    np.random.seed(derive_seed(seed, "numpy") % 2**32)
-    torch.manual_seed(derive_seed(seed, "torch"))
+    random.seed(derive_seed(seed, "python", rank))
+    np.random.seed(derive_seed(seed, "numpy", rank) % 2**32)
+    torch.manual_seed(derive_seed(seed, "torch", rank))
     torch.use_deterministic_algorithms(determinism.deterministic)
     torch.backends.cudnn.deterministic = determinism.deterministic
     torch.backends.cudnn.benchmark = determinism.cudnn_benchmark

@@ -146,3 +146,26 @@ def test_experiments_for_every_strategy_and_loss(clone):
                 found[revision.get("name")] = metrics["loss"]
     assert set(found) >= {name for name, _ in runs}
     assert all(all(isinstance(v, float) for v in loss.values()) for loss in found.values())
+
+
+def test_experiment_with_two_processes(clone):
+    sh(["dvc", "repro"], clone)
+    sh(["git", "add", "-A"], clone)
+    sh(["git", "commit", "-qm", "baseline"], clone)
+    result = sh(
+        [
+            "dvc",
+            "exp",
+            "run",
+            "--name",
+            "ddp",
+            "-S",
+            "devices.nproc_per_node=2",
+            "-S",
+            "model.norm=instance",
+        ],
+        clone,
+    )
+    assert "rank 1/2 joined (gloo on cpu)" in result.stdout + result.stderr
+    assert (clone / "models/g_ema.pt").exists()
+    assert "up to date" in sh(["dvc", "status"], clone).stdout

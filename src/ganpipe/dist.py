@@ -1,0 +1,115 @@
+"""Process group, devices, DDP wrapping and rank-0 helpers: parallelism lives here.
+
+The launcher (the train stage, through torchrun) starts one process per device; this
+module turns that process into a member of the group. Everything else asks a
+:class:`DistContext` whether it is the main process and what slice of the global batch it
+owns, and never branches on the backend.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ganpipe.params import DevicesParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This process's place in the run."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 alone writes models, checkpoints, logs and images."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def local_slice(self, global_batch: int) -> slice:
+        """The part of a global batch this rank computes (contiguous, by rank)."""
+        size = global_batch // self.world_size
+        return slice(self.rank * size, (self.rank + 1) * size)
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over ranks (in place; a no-op in one process)."""
+        if self.distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def all_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Maximum of ``tensor`` over ranks (in place; a no-op in one process)."""
+        if self.distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor
+
+
+def setup(
+    devices: DevicesParams, rank: int, local_rank: int, world_size: int, device: torch.device
+) -> DistContext:
+    """Join the process group (when ``world_size > 1``) and pick this rank's device.
+
+    ``rank``, ``local_rank`` and ``world_size`` come from the launcher (torchrun's
+    environment, read by the stage). On CUDA each process takes GPU ``local_rank`` of the
+    GPUs the launcher made visible.
+    """
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    context = DistContext(rank, local_rank, world_size, device)
+    if world_size > 1:
+        backend = devices.backend
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            timeout=datetime.timedelta(seconds=devices.timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+        log.info("rank %d/%d joined (%s on %s)", rank, world_size, backend, device)
+    return context
+
+
+def teardown(context: DistContext) -> None:
+    """Leave the process group."""
+    if context.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap(net: nn.Module, context: DistContext, sync_batch_norm: bool) -> nn.Module:
+    """DDP-wrap one network (G and D are wrapped separately).
+
+    Strategies restrict every backward to the parameters of the network about to step, so
+    a frozen network's DDP reducer sees no gradients and starts no all-reduce (counted in
+    tests/integration/test_ddp.py). ``sync_batch_norm`` converts BatchNorm to
+    SyncBatchNorm, which PyTorch supports on CUDA only.
+    """
+    if not context.distributed:
+        return net
+    if sync_batch_norm:
+        net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    device_ids = [context.device.index] if context.device.type == "cuda" else None
+    return DistributedDataParallel(net, device_ids=device_ids)
+
+
+def unwrap(net: nn.Module) -> nn.Module:
+    """The module inside a DDP wrapper (or the module itself)."""
+    return net.module if isinstance(net, DistributedDataParallel) else net

@@ -1,0 +1,294 @@
+"""DDP on CPU with gloo, through real torchrun processes launched by the train stage."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ganpipe.checkpoint import load
+from ganpipe.data.prepare import prepare_dataset
+from ganpipe.params import DataParams
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+TINY = {
+    "seed": 3,
+    "data": {"image_size": 16, "val_fraction": 0.5},
+    "devices": {"cpu_threads": 1, "timeout_s": 30},
+    "model": {"z_dim": 8, "g_width": 4, "d_width": 4, "norm": "instance"},
+    "train": {
+        "batch_size": 16,
+        "kimg": 0.32,
+        "log_every_kimg": 0.016,
+        "snapshot_kimg": 1,
+        "optimizer": "sgd",
+        "lr_g": 0.01,
+        "lr_d": 0.01,
+    },
+    "generate": {"grid_rows": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data")
+    prepare_dataset(DataParams(image_size=16, val_fraction=0.5), 3, out, progress=False)
+    return out
+
+
+def project(root: Path, data_dir: Path, **sections) -> Path:
+    params = json.loads(json.dumps(TINY))
+    for name, values in sections.items():
+        params[name].update(values)
+    root.mkdir(parents=True)
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    (root / "data").symlink_to(data_dir)
+    return root
+
+
+def env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+
+
+def train(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "stages.train"],
+        cwd=root,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def states(root: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {
+        n: load(root / "models" / f"{n}.pt")["state_dict"]
+        for n in ("generator", "discriminator", "g_ema")
+    }
+
+
+def max_difference(a, b) -> float:
+    return max((a[n][k].double() - b[n][k].double()).abs().max().item() for n in a for k in a[n])
+
+
+@pytest.mark.parametrize("strategy", ["d_first_retain", "d_first_detach", "g_first_detach"])
+def test_two_processes_equal_one_process_with_the_whole_batch(tmp_path, data_dir, strategy):
+    one = project(tmp_path / "one", data_dir, train={"strategy": strategy})
+    two = project(
+        tmp_path / "two", data_dir, train={"strategy": strategy}, devices={"nproc_per_node": 2}
+    )
+    logs = []
+    for root in (one, two):
+        result = train(root)
+        assert result.returncode == 0, result.stderr[-3000:]
+        logs.append(result.stderr)
+    assert "rank 1/2 joined (gloo on cpu)" in logs[1]
+    assert max_difference(states(one), states(two)) < 1e-6
+    # logged losses are means over ranks: the same curve within float noise
+    curves = [
+        (root / "metrics/train/plots/metrics/loss/d.tsv").read_text().splitlines()[1:]
+        for root in (one, two)
+    ]
+    for row_one, row_two in zip(*curves, strict=True):
+        assert abs(float(row_one.split("\t")[1]) - float(row_two.split("\t")[1])) < 1e-5
+
+
+def test_two_process_runs_are_bit_identical(tmp_path, data_dir):
+    runs = []
+    for name in ("a", "b"):
+        root = project(
+            tmp_path / name, data_dir, devices={"nproc_per_node": 2}, model={"norm": "batch"}
+        )
+        assert train(root).returncode == 0
+        runs.append((root / "models/g_ema.pt").read_bytes())
+        runs.append((root / "models/discriminator.pt").read_bytes())
+    assert runs[0] == runs[2] and runs[1] == runs[3]
+
+
+ALLREDUCE_WORKER = """
+import contextlib, json, torch, torch.distributed as dist
+from ganpipe import loop
+from ganpipe.dist import DistContext
+from ganpipe.params import parse_params
+from ganpipe.strategies import STRATEGIES
+
+dist.init_process_group("gloo")
+context = DistContext(dist.get_rank(), dist.get_rank(), 2, torch.device("cpu"))
+counts = {}
+for name in STRATEGIES:
+    params = parse_params({"model": {"z_dim": 8, "g_width": 4, "d_width": 4},
+                           "data": {"image_size": 16}, "train": {"batch_size": 16}})
+    gan, _ = loop.build_gan(params, context)
+    calls = {"G": 0, "D": 0}
+    def counting(net):
+        def hook(state, bucket):
+            calls[net] += 1
+            work = dist.all_reduce(bucket.buffer().div_(2), async_op=True)
+            return work.get_future().then(lambda f: f.value()[0])
+        return hook
+    gan.g.register_comm_hook(None, counting("G"))
+    gan.d.register_comm_hook(None, counting("D"))
+    for step in range(3):
+        STRATEGIES[name](gan, [torch.rand(8, 1, 16, 16)], [torch.randn(8, 8)])
+    counts[name] = dict(calls)
+if dist.get_rank() == 0:
+    print("COUNTS " + json.dumps(counts))
+dist.destroy_process_group()
+"""
+
+
+def test_frozen_network_triggers_no_all_reduce(tmp_path):
+    """Per step: one all-reduce for G and one for D (one bucket each), for every strategy.
+
+    A frozen network that synchronised anyway would show two for D (its pass in G's phase).
+    """
+    script = tmp_path / "worker.py"
+    script.write_text(ALLREDUCE_WORKER)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(script),
+        ],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("COUNTS "))
+    counts = json.loads(line.removeprefix("COUNTS "))
+    assert counts == {
+        name: {"G": 3, "D": 3} for name in ("d_first_retain", "d_first_detach", "g_first_detach")
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_loopback_equal_one_node(tmp_path, data_dir):
+    """The README's multi-node recipe: the same params on each node, only node_rank differs."""
+    single = project(tmp_path / "single", data_dir, devices={"nproc_per_node": 2})
+    assert train(single).returncode == 0
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = []
+    for rank in (0, 1):
+        root = project(
+            tmp_path / f"node{rank}",
+            data_dir,
+            devices={
+                "nnodes": 2,
+                "node_rank": rank,
+                "nproc_per_node": 1,
+                "rdzv_endpoint": endpoint,
+            },
+        )
+        nodes.append(
+            (
+                root,
+                subprocess.Popen(
+                    [sys.executable, "-m", "stages.train"],
+                    cwd=root,
+                    env=env(),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                ),
+            )
+        )
+    for _root, proc in nodes:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+    written = [root for root, _ in nodes if (root / "models/g_ema.pt").exists()]
+    assert len(written) == 1  # global rank 0 alone writes
+    assert max_difference(states(single), states(written[0])) == 0.0
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                found += [int(entry.name), *children(int(entry.name))]
+    return found
+
+
+def rank_of(pid: int) -> int | None:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in environ:
+        if item.startswith(b"RANK="):
+            return int(item[5:])
+    return None
+
+
+def test_a_killed_rank_fails_the_stage_fast_and_writes_nothing(tmp_path, data_dir):
+    root = project(
+        tmp_path / "kill",
+        data_dir,
+        devices={"nproc_per_node": 2, "timeout_s": 20},
+        train={"kimg": 200},
+    )
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stages.train"],
+        cwd=root,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    victim = None
+    while victim is None and time.monotonic() - start < 120:
+        time.sleep(0.5)
+        if (root / "metrics/train/metrics.json").exists():  # training has started
+            victim = next((p for p in children(proc.pid) if rank_of(p) == 1), None)
+    assert victim is not None, "rank 1 never started"
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    _, err = proc.communicate(timeout=20 + 30)
+    assert proc.returncode != 0
+    assert time.monotonic() - killed < 20 + 30
+    assert "rank: 1" in err or "rank 1" in err, err[-3000:]
+    assert "distributed training failed" in err
+    assert not (root / "models").exists() or not list((root / "models").iterdir())
+
+
+def test_cuda_request_without_cuda_fails_before_launch(tmp_path, data_dir):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    root = project(
+        tmp_path / "cuda", data_dir, devices={"accelerator": "cuda", "nproc_per_node": 2}
+    )
+    result = train(root)
+    assert result.returncode == 2
+    assert "CUDA is not available" in result.stderr
+    assert "torch.distributed.run" not in result.stderr
