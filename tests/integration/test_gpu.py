@@ -50,3 +50,62 @@ def test_cuda_training_is_deterministic(tmp_path, strategy, precision):
         digests.append(digest(result))
     assert digests[0] == digests[1]
     assert torch.cuda.max_memory_allocated() > 0
+
+
+def run_stage(root, **sections):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    from tests.conftest import REPO
+
+    params = json.loads(json.dumps(RAW))
+    for name, values in sections.items():
+        if isinstance(values, dict):
+            params.setdefault(name, {}).update(values)
+        else:
+            params[name] = values
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "stages.train"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_single_gpu_stage(tmp_path, precision):
+    prepare_dataset(DataParams(), 0, tmp_path / "data", progress=False)
+    result = run_stage(tmp_path, precision=precision)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "models/g_ema.pt").exists()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("norm", ["batch", "sync_batch"])
+def test_nccl_two_gpus_is_deterministic(tmp_path, norm):
+    digests = []
+    for name in ("a", "b"):
+        root = tmp_path / name
+        prepare_dataset(DataParams(), 0, root / "data", progress=False)
+        result = run_stage(
+            root,
+            precision="bf16",
+            model={"norm": norm},
+            devices={"nproc_per_node": 2, "backend": "nccl", "gpus": [0, 1]},
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "rank 1/2 joined (nccl on cuda:1)" in result.stderr
+        digests.append(hashlib.sha256((root / "models/g_ema.pt").read_bytes()).hexdigest())
+    assert digests[0] == digests[1]
