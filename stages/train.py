@@ -4,7 +4,8 @@ Inputs: params ``seed``, ``precision``, ``data``, ``devices``, ``determinism``, 
 ``train``, ``generate.grid_rows``; ``data/train.lmdb``.
 Outputs: ``models/generator.pt``, ``models/discriminator.pt``, ``models/g_ema.pt`` (each
 written atomically); the training log ``metrics/train`` (dvclive: metrics.json, loss
-curves, progress grids).
+curves, progress grids); full-state checkpoints in ``checkpoints/<run>/`` (a persistent
+output: a rerun resumes from the newest valid one).
 Command: ``python -m stages.train``
 """
 
@@ -16,7 +17,9 @@ import os
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import contextlib
+import json
 import logging
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,14 +28,15 @@ import numpy as np
 from dvclive import Live
 
 from ganpipe import dist, runtime
-from ganpipe.checkpoint import save_atomic
+from ganpipe.checkpoint import run_fingerprint, save_atomic, write_bytes_atomic
 from ganpipe.data.dataset import LmdbImageDataset
-from ganpipe.loop import train
+from ganpipe.loop import TrainingInterrupted, train
 from ganpipe.params import Params
 from stages import _cli
 
 log = logging.getLogger("stages.train")
 MODELS = Path("models")
+CHECKPOINTS = Path("checkpoints")
 LOG_DIR = "metrics/train"
 
 
@@ -99,7 +103,12 @@ def launch(params: Params) -> int:
     log.info(
         "launching %d x %d processes: %s", devices.nnodes, devices.nproc_per_node, " ".join(command)
     )
-    code = subprocess.call(command, env=env)
+    proc = subprocess.Popen(command, env=env)
+    # Pass SIGTERM / SIGINT on to torchrun, which passes them to the workers: they save a
+    # checkpoint and stop.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda signum, frame: proc.send_signal(signum))
+    code = proc.wait()
     if code != 0:
         print(
             f"error: distributed training failed (torchrun exit status {code}); the "
@@ -107,6 +116,45 @@ def launch(params: Params) -> int:
             file=sys.stderr,
         )
     return code
+
+
+def checkpoint_dir(params: Params) -> Path:
+    """``checkpoints/<fingerprint>``: each set of result-changing params has its own run.
+
+    A checkpoint is therefore never reused by different training params, and switching
+    back to earlier params resumes their run. ``run.json`` says which params a folder is for.
+    """
+    fingerprint, relevant = run_fingerprint(params)
+    run_dir = CHECKPOINTS / fingerprint[:16]
+    others = [p.name for p in CHECKPOINTS.glob("*") if p.is_dir() and p != run_dir]
+    if others and not list(run_dir.glob("ckpt-*.pt")):
+        log.info(
+            "no checkpoint for these params (run %s); checkpoints of other params in %s "
+            "are left alone: %s",
+            run_dir.name,
+            CHECKPOINTS,
+            ", ".join(sorted(others)),
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(
+        json.dumps(relevant, indent=2, sort_keys=True).encode(), run_dir / "run.json"
+    )
+    return run_dir
+
+
+class StopRequest:
+    """SIGTERM / SIGINT set a flag; the loop saves a checkpoint and stops cleanly."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.signal = signum
+
+    def __call__(self) -> bool:
+        return self.signal is not None
 
 
 def main(params: Params) -> None:
@@ -137,14 +185,27 @@ def main(params: Params) -> None:
                 f"data.channels={params.data.channels}; run `dvc repro prepare`"
             )
         # Only rank 0 writes: logs, images and models. The others wait at the barrier.
+        run_dir = checkpoint_dir(params) if context.is_main else None
+        run_dir = Path(context.broadcast_object(str(run_dir)))
+        resuming = any(run_dir.glob("ckpt-*.pt"))  # then the log continues, too
         live = (
-            Live(LOG_DIR, dvcyaml=None, save_dvc_exp=False, report=None)
+            Live(LOG_DIR, dvcyaml=None, save_dvc_exp=False, report=None, resume=resuming)
             if context.is_main
             else contextlib.nullcontext()
         )
+        stop = StopRequest()
         with live:
             logger = DvcliveLogger(live) if context.is_main else None
-            result = train(params, dataset, context, logger)
+            try:
+                result = train(params, dataset, context, logger, run_dir=run_dir, should_stop=stop)
+            except TrainingInterrupted as exc:
+                if context.is_main:
+                    print(
+                        f"stopped by signal {stop.signal} after {exc.images_seen} images; "
+                        f"checkpoint {exc.checkpoint}; run the stage again to resume",
+                        file=sys.stderr,
+                    )
+                sys.exit(128 + (stop.signal or signal.SIGTERM))
         if context.is_main:
             for name, net in (
                 ("generator", result.g),

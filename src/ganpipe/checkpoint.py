@@ -47,3 +47,86 @@ def save_atomic(obj: Any, path: Path) -> None:
 def load(path: Path, map_location: str | torch.device = "cpu") -> Any:
     """``torch.load`` with ``weights_only=True``: tensors and plain containers only, no code."""
     return torch.load(path, map_location=map_location, weights_only=True)
+
+
+# --- full-state training checkpoints ---------------------------------------------------
+
+#: Params that do not change the trained bits; a checkpoint survives changes to them.
+NEUTRAL_KEYS = {
+    "train": {
+        "kimg",
+        "checkpoint_kimg",
+        "keep_checkpoints",
+        "snapshot_kimg",
+        "log_every_kimg",
+        "num_workers",
+    },
+    "devices": {"gpus", "node_rank", "rdzv_endpoint", "backend", "timeout_s"},
+    "generate": {"seed"},
+}
+CHECKPOINT_FORMAT = 1
+
+
+def run_fingerprint(params: Any) -> tuple[str, dict[str, Any]]:
+    """``(sha256, the params it covers)`` of everything that changes the trained bits.
+
+    Training length, intervals, worker counts and addresses are left out: a run extended
+    with a larger ``train.kimg`` resumes from its last checkpoint.
+    """
+    import hashlib
+    import json
+
+    relevant = params.model_dump(mode="json")
+    for section, keys in NEUTRAL_KEYS.items():
+        relevant[section] = {k: v for k, v in relevant[section].items() if k not in keys}
+    relevant["devices"]["world_size"] = params.devices.world_size
+    text = json.dumps(relevant, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest(), relevant
+
+
+def checkpoint_name(images_seen: int) -> str:
+    """File name of the checkpoint taken after ``images_seen`` images (survives resizing)."""
+    return f"ckpt-{images_seen:012d}.pt"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's checkpoints, newest first."""
+    return sorted(run_dir.glob("ckpt-*.pt"), reverse=True)
+
+
+def save_checkpoint(state: dict[str, Any], run_dir: Path, images_seen: int, keep: int) -> Path:
+    """Write a checkpoint atomically, then delete all but the newest ``keep``."""
+    path = run_dir / checkpoint_name(images_seen)
+    save_atomic({"format": CHECKPOINT_FORMAT, **state}, path)
+    for old in list_checkpoints(run_dir)[keep:]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def load_newest_checkpoint(run_dir: Path, map_location: Any = "cpu") -> dict[str, Any] | None:
+    """The newest checkpoint of the run that loads, or None.
+
+    A checkpoint that fails to load (truncated, corrupt, foreign) is skipped with a
+    warning naming it, and the previous one is tried. Loading is ``weights_only``: a file
+    carrying pickled code is refused, never executed.
+    """
+    import logging
+
+    log = logging.getLogger(__name__)
+    for path in list_checkpoints(run_dir):
+        try:
+            state = load(path, map_location=map_location)
+        except Exception as exc:  # a bad file must not stop the run from using an older one
+            log.warning(
+                "checkpoint %s cannot be loaded (%s: %s); trying the previous one",
+                path,
+                type(exc).__name__,
+                str(exc).splitlines()[0][:200],
+            )
+            continue
+        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+            log.warning("checkpoint %s is not a ganpipe checkpoint; trying the previous one", path)
+            continue
+        state["path"] = str(path)
+        return state
+    return None

@@ -55,6 +55,28 @@ class DistContext:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
+    def any(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on any rank."""
+        if not self.distributed:
+            return flag
+        return bool(self.all_max(torch.tensor([float(flag)], device=self.device)).item())
+
+    def broadcast_object(self, obj: object) -> object:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.distributed:
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=0, device=self.device)
+        return holder[0]
+
+    def gather_objects(self, obj: object) -> list[object]:
+        """Every rank's ``obj``, in rank order (on every rank)."""
+        if not self.distributed:
+            return [obj]
+        gathered: list[object] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
     def all_max(self, tensor: torch.Tensor) -> torch.Tensor:
         """Maximum of ``tensor`` over ranks (in place; a no-op in one process)."""
         if self.distributed:

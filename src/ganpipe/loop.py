@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
-from ganpipe import dist, runtime
+from ganpipe import checkpoint, dist, runtime
 from ganpipe.data.dataset import uint8_to_float
 from ganpipe.dist import DistContext
 from ganpipe.ema import EmaGenerator
@@ -139,12 +140,77 @@ def to_device_images(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
     return uint8_to_float(batch) if batch.dtype == torch.uint8 else batch
 
 
+class TrainingInterrupted(Exception):
+    """Training stopped on request (SIGTERM / SIGINT) after saving a checkpoint."""
+
+    def __init__(self, images_seen: int, checkpoint: Path | None):
+        super().__init__(f"interrupted after {images_seen} images; checkpoint {checkpoint}")
+        self.images_seen = images_seen
+        self.checkpoint = checkpoint
+
+
+def _resume(
+    params: Params, gan: Gan, g_ema: EmaGenerator, context: DistContext, run_dir: Path
+) -> tuple[int, int]:
+    """Load the newest valid checkpoint of this run (rank 0 reads, all ranks receive it).
+
+    Returns ``(iterations done, fp16 skipped steps)``; ``(0, 0)`` without a checkpoint.
+    """
+    state = checkpoint.load_newest_checkpoint(run_dir) if context.is_main else None
+    state = context.broadcast_object(state)
+    if state is None:
+        log.info("no checkpoint in %s: training from the start", run_dir)
+        return 0, 0
+    dist.unwrap(gan.g).load_state_dict(state["g"])
+    dist.unwrap(gan.d).load_state_dict(state["d"])
+    g_ema.load_state_dict(state["g_ema"])
+    gan.opt_g.load_state_dict(state["opt_g"])
+    gan.opt_d.load_state_dict(state["opt_d"])
+    gan.scaler.load_state_dict(state["scaler"])
+    runtime.set_rng_state(state["rng"][context.rank])
+    log.info("resumed from %s (%d images seen)", state["path"], state["images_seen"])
+    return state["iteration"], state["skipped_steps"]
+
+
+def _save(
+    gan: Gan,
+    g_ema: EmaGenerator,
+    context: DistContext,
+    run_dir: Path,
+    keep: int,
+    iteration: int,
+    images_seen: int,
+    skipped: int,
+) -> Path | None:
+    """Write a full-state checkpoint (rank 0), with every rank's RNG states."""
+    rngs = context.gather_objects(runtime.rng_state())
+    path = None
+    if context.is_main:
+        state = {
+            "iteration": iteration,
+            "images_seen": images_seen,
+            "skipped_steps": int(skipped),
+            "g": dist.unwrap(gan.g).state_dict(),
+            "d": dist.unwrap(gan.d).state_dict(),
+            "g_ema": g_ema.state_dict(),
+            "opt_g": gan.opt_g.state_dict(),
+            "opt_d": gan.opt_d.state_dict(),
+            "scaler": gan.scaler.state_dict(),
+            "rng": rngs,
+        }
+        path = checkpoint.save_checkpoint(state, run_dir, images_seen, keep)
+    context.barrier()
+    return path
+
+
 def train(
     params: Params,
     dataset: Dataset,
     context: DistContext | torch.device,
     logger: TrainLogger | None = None,
     progress: bool = True,
+    run_dir: Path | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> TrainResult:
     """Train G and D on ``dataset`` as ``params`` says, on one process or as one DDP rank.
 
@@ -152,11 +218,20 @@ def train(
     G update; training stops once ``train.kimg`` thousand real images have been shown to D
     (counted over all ranks). Only the main rank logs; logged values are means over ranks.
 
+    With ``run_dir``, a full-state checkpoint is written there every
+    ``train.checkpoint_kimg`` and at the end, and training resumes from the newest valid
+    one: batches and latents are functions of the step, RNG states are restored per rank,
+    so a resumed run ends with the same bytes as one never stopped. ``should_stop`` is
+    polled every iteration (SIGTERM / SIGINT): the run saves a checkpoint and raises
+    :class:`TrainingInterrupted`.
+
     Raises:
         ValueError: the batch does not fit the dataset.
         FloatingPointError: a loss became NaN or infinite in fp32/bf16 (the message names
-            the step, the strategy and the loss). fp16 leaves inf/NaN to the GradScaler,
-            which skips those steps; they are counted in ``amp/skipped_steps``.
+            the step, the strategy and the loss); the last good checkpoint is kept. fp16
+            leaves inf/NaN to the GradScaler, which skips those steps; they are counted in
+            ``amp/skipped_steps``.
+        TrainingInterrupted: ``should_stop`` turned true; a checkpoint was saved.
     """
     if isinstance(context, torch.device):
         context = DistContext(device=context)
@@ -167,6 +242,9 @@ def train(
             f"({len(dataset)} images); lower it or add data"
         )
     gan, g_ema = build_gan(params, context)
+    start, skipped = 0, 0
+    if run_dir is not None:
+        start, skipped = _resume(params, gan, g_ema, context, run_dir)
     strategy = STRATEGIES[cfg.strategy]
     z_dim, per_iteration = params.model.z_dim, cfg.batch_size * cfg.n_critic
     mine = context.local_slice(cfg.batch_size)
@@ -175,11 +253,12 @@ def train(
     iterations = math.ceil(cfg.kimg * 1000 / per_iteration)
     log_every = max(1, round(cfg.log_every_kimg * 1000 / per_iteration))
     snapshot_every = max(1, round(cfg.snapshot_kimg * 1000 / per_iteration))
+    checkpoint_every = max(1, round(cfg.checkpoint_kimg * 1000 / per_iteration))
     sampler = EpochBatchSampler(
         len(dataset),
         cfg.batch_size,
         seed,
-        0,
+        min(start, iterations) * cfg.n_critic,
         iterations * cfg.n_critic,
         context.rank,
         context.world_size,
@@ -195,16 +274,29 @@ def train(
     )
     batches = iter(loader)
     fixed_z = latents(seed, -1, params.generate.grid_rows**2, z_dim).to(device)
-    check_finite = params.precision != "fp16"
+    track_finite = params.precision != "fp16"
 
     gan.g.train()
     gan.d.train()
     sums: dict[str, torch.Tensor] = {}
     # The first non-finite step, tracked on the device: no host sync per step.
     first_bad = torch.full((), -1.0, device=device)
-    skipped, since, last_log = 0, time.perf_counter(), 0
+    since, last_log = time.perf_counter(), start
+
+    def check_finite(done: int, stats: dict[str, torch.Tensor]) -> None:
+        bad_step = context.all_max(first_bad.clone()).item()  # -1: all finite
+        if bad_step >= 0:
+            raise FloatingPointError(
+                f"non-finite loss at step {int(bad_step) + 1} "
+                f"(train.strategy={cfg.strategy}, train.loss={cfg.loss}, "
+                f"precision={params.precision}, loss/d={stats['loss/d'].item():.4g}, "
+                f"loss/g={stats['loss/g'].item():.4g} at step {done}); lower "
+                "train.lr_g / train.lr_d, or use precision fp32"
+            )
+
     bar = tqdm(
         total=iterations * per_iteration,
+        initial=min(start, iterations) * per_iteration,
         unit="img",
         unit_scale=True,
         desc="train",
@@ -213,7 +305,7 @@ def train(
         dynamic_ncols=True,
     )
     with bar:
-        for it in range(iterations):
+        for it in range(start, iterations):
             first_batch = it * cfg.n_critic
             reals = [to_device_images(next(batches)[0], device) for _ in range(cfg.n_critic)]
             zs = [
@@ -226,7 +318,7 @@ def train(
                 gan.scaler.update()
                 skipped += gan.scaler.get_scale() < scale  # the scale drops on a skipped step
             g_ema.update(dist.unwrap(gan.g), per_iteration)
-            if check_finite:
+            if track_finite:
                 finite = torch.isfinite(stats["loss/d"]) & torch.isfinite(stats["loss/g"])
                 first_bad = torch.where((first_bad < 0) & ~finite, float(it), first_bad)
             for key, value in stats.items():
@@ -235,17 +327,10 @@ def train(
 
             done = it + 1
             images_seen = done * per_iteration
+            stop = should_stop is not None and context.any(should_stop())
             if done % log_every == 0 or done == iterations:
                 # Two small all-reduces and one host sync per logging interval, none per step.
-                bad_step = context.all_max(first_bad.clone()).item()  # -1: all finite
-                if bad_step >= 0:
-                    raise FloatingPointError(
-                        f"non-finite loss at step {int(bad_step) + 1} "
-                        f"(train.strategy={cfg.strategy}, train.loss={cfg.loss}, "
-                        f"precision={params.precision}, loss/d={stats['loss/d'].item():.4g}, "
-                        f"loss/g={stats['loss/g'].item():.4g} at step {done}); lower "
-                        "train.lr_g / train.lr_d, or use precision fp32"
-                    )
+                check_finite(done, stats)
                 keys = sorted(sums)
                 totals = context.all_sum(torch.stack([sums[k] for k in keys])).tolist()
                 now = time.perf_counter()
@@ -267,6 +352,13 @@ def train(
                 sums, since, last_log = {}, now, done
             if logger is not None and (done % snapshot_every == 0 or done == iterations):
                 logger.log_grid(images_seen, snapshot(g_ema, fixed_z, params.generate.grid_rows))
+            if run_dir is not None and (done % checkpoint_every == 0 or done == iterations or stop):
+                check_finite(done, stats)  # never checkpoint a diverged state
+                path = _save(
+                    gan, g_ema, context, run_dir, cfg.keep_checkpoints, done, images_seen, skipped
+                )
+            if stop:
+                raise TrainingInterrupted(images_seen, path if run_dir is not None else None)
     if skipped:
         log.warning("the fp16 GradScaler skipped %d of %d iterations", skipped, iterations)
     log.info("trained %d iterations, %.1f kimg", iterations, iterations * per_iteration / 1000)

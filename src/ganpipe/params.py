@@ -191,6 +191,10 @@ class TrainParams(_Section):
     """Adam (beta1, beta2)."""
     ema_kimg: float = Field(10.0, ge=0)
     """Half-life of the EMA of G's weights, in thousands of images; 0 turns EMA off."""
+    checkpoint_kimg: float = Field(20.0, gt=0)
+    """Interval of full-state checkpoints (exact resume), in thousands of images."""
+    keep_checkpoints: int = Field(2, ge=1, le=1000)
+    """How many of the newest checkpoints of a run to keep."""
     snapshot_kimg: float = Field(20.0, gt=0)
     """Interval of progress grids (fixed latents) in the training log, in thousands of images."""
     log_every_kimg: float = Field(1.0, gt=0)

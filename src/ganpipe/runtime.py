@@ -113,3 +113,37 @@ def seed_worker(worker_id: int) -> None:
     worker_seed = torch.initial_seed() % 2**32
     np.random.seed(worker_seed)
     random.seed(worker_seed)
+
+
+def rng_state() -> dict:
+    """Every RNG state of this process, in types ``torch.load(weights_only=True)`` accepts."""
+    numpy_state = np.random.get_state(legacy=False)
+    state = {
+        "python": random.getstate(),
+        "numpy": {
+            **numpy_state,
+            "state": {
+                "key": numpy_state["state"]["key"].tolist(),
+                "pos": int(numpy_state["state"]["pos"]),
+            },
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` captured."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    numpy_state = dict(state["numpy"])
+    numpy_state["state"] = {
+        "key": np.asarray(numpy_state["state"]["key"], dtype=np.uint32),
+        "pos": numpy_state["state"]["pos"],
+    }
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])

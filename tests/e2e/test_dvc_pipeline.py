@@ -169,3 +169,33 @@ def test_experiment_with_two_processes(clone):
     assert "rank 1/2 joined (gloo on cpu)" in result.stdout + result.stderr
     assert (clone / "models/g_ema.pt").exists()
     assert "up to date" in sh(["dvc", "status"], clone).stdout
+
+
+def test_dvc_repro_after_a_kill_resumes(clone):
+    import signal
+    import time
+
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    params["train"].update(kimg=3.2, checkpoint_kimg=0.32, log_every_kimg=0.32)
+    (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.Popen(
+        ["dvc", "repro"],
+        cwd=clone,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    while not list(clone.glob("checkpoints/*/ckpt-*.pt")) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert not (clone / "models/g_ema.pt").exists()
+    again = sh(["dvc", "repro"], clone)
+    output = again.stdout + again.stderr
+    assert "resumed from checkpoints/" in output, output[-3000:]
+    assert (clone / "models/g_ema.pt").exists()
