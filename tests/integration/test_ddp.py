@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from ganpipe.checkpoint import load
 from ganpipe.data.prepare import prepare_dataset
 from ganpipe.params import DataParams
-from tests.conftest import REPO
+from tests.helpers import descendants, stage_env, write_project
 
 pytestmark = pytest.mark.slow
 
@@ -48,21 +47,11 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 def project(root: Path, data_dir: Path, **sections) -> Path:
-    params = json.loads(json.dumps(TINY))
-    for name, values in sections.items():
-        params[name].update(values)
-    root.mkdir(parents=True)
-    (root / "params.yaml").write_text(yaml.safe_dump(params))
-    (root / "data").symlink_to(data_dir)
-    return root
+    return write_project(root, TINY, data_dir, **sections)
 
 
 def env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-    }
+    return stage_env()
 
 
 def train(root: Path) -> subprocess.CompletedProcess:
@@ -226,19 +215,6 @@ def test_two_nodes_on_loopback_equal_one_node(tmp_path, data_dir):
     assert max_difference(states(single), states(written[0])) == 0.0
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid:
-                found += [int(entry.name), *children(int(entry.name))]
-    return found
-
-
 def rank_of(pid: int) -> int | None:
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -270,7 +246,7 @@ def test_a_killed_rank_fails_the_stage_fast_and_writes_nothing(tmp_path, data_di
     while victim is None and time.monotonic() - start < 120:
         time.sleep(0.5)
         if (root / "metrics/train/metrics.json").exists():  # training has started
-            victim = next((p for p in children(proc.pid) if rank_of(p) == 1), None)
+            victim = next((p for p in descendants(proc.pid) if rank_of(p) == 1), None)
     assert victim is not None, "rank 1 never started"
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()

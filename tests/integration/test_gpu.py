@@ -53,31 +53,16 @@ def test_cuda_training_is_deterministic(tmp_path, strategy, precision):
 
 
 def run_stage(root, **sections):
-    import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    import yaml
+    from tests.helpers import stage_env, write_project
 
-    from tests.conftest import REPO
-
-    params = json.loads(json.dumps(RAW))
-    for name, values in sections.items():
-        if isinstance(values, dict):
-            params.setdefault(name, {}).update(values)
-        else:
-            params[name] = values
-    (root / "params.yaml").write_text(yaml.safe_dump(params))
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-    }
+    write_project(root, RAW, **sections)
     return subprocess.run(
         [sys.executable, "-m", "stages.train"],
         cwd=root,
-        env=env,
+        env=stage_env(),
         capture_output=True,
         text=True,
         timeout=600,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import pickle
 import random
@@ -16,14 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from ganpipe import checkpoint, loop
 from ganpipe.checkpoint import load, load_newest_checkpoint, run_fingerprint, save_checkpoint
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.prepare import prepare_dataset
 from ganpipe.params import DataParams, parse_params
-from tests.conftest import REPO
+from tests.helpers import descendants, stage_env, write_project
 
 RUN = {
     "seed": 4,
@@ -51,29 +49,14 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 def project(root: Path, data_dir: Path, **sections) -> Path:
-    params = json.loads(json.dumps(RUN))
-    for name, values in sections.items():
-        if isinstance(values, dict):
-            params[name].update(values)
-        else:
-            params[name] = values
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "params.yaml").write_text(yaml.safe_dump(params))
-    if not (root / "data").exists():
-        (root / "data").symlink_to(data_dir)
-    return root
+    return write_project(root, RUN, data_dir, **sections)
 
 
 def start(root: Path) -> subprocess.Popen:
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-    }
     return subprocess.Popen(
         [sys.executable, "-m", "stages.train"],
         cwd=root,
-        env=env,
+        env=stage_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -100,19 +83,6 @@ def digest(root: Path) -> dict[str, str]:
 def newest(root: Path) -> str | None:
     found = sorted((root / "checkpoints").glob("*/ckpt-*.pt"))
     return found[-1].name if found else None
-
-
-def descendants(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid:
-                found += [int(entry.name), *descendants(int(entry.name))]
-    return found
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -285,3 +255,22 @@ def test_a_diverged_run_keeps_the_last_good_checkpoint(tmp_path, data_dir, monke
     assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == [
         checkpoint.checkpoint_name(320)
     ]
+
+
+def test_a_full_disk_during_a_save_leaves_the_previous_checkpoints_intact(tmp_path, monkeypatch):
+    import errno
+
+    run_dir = tmp_path / "run"
+    for images in (32, 64):
+        save_checkpoint({"iteration": images // 32, "images_seen": images}, run_dir, images, 5)
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint({"iteration": 3, "images_seen": 96}, run_dir, 96, 5)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before  # no leftovers
+    assert load_newest_checkpoint(run_dir)["images_seen"] == 64
