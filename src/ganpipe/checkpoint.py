@@ -67,11 +67,25 @@ NEUTRAL_KEYS = {
 CHECKPOINT_FORMAT = 1
 
 
-def run_fingerprint(params: Any) -> tuple[str, dict[str, Any]]:
-    """``(sha256, the params it covers)`` of everything that changes the trained bits.
+def code_digest() -> str:
+    """sha256 of the ganpipe package's source: new code must not resume old runs."""
+    import hashlib
 
-    Training length, intervals, worker counts and addresses are left out: a run extended
-    with a larger ``train.kimg`` resumes from its last checkpoint.
+    package = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def run_fingerprint(params: Any) -> tuple[str, dict[str, Any]]:
+    """``(sha256, what it covers)`` of everything that changes the trained bits.
+
+    That is the params (training length, intervals, worker counts and addresses left out:
+    a run extended with a larger ``train.kimg`` resumes from its last checkpoint) and the
+    library's source code (after a code change DVC reruns the stage, and it must train
+    with the new code rather than resume the old run).
     """
     import hashlib
     import json
@@ -80,6 +94,7 @@ def run_fingerprint(params: Any) -> tuple[str, dict[str, Any]]:
     for section, keys in NEUTRAL_KEYS.items():
         relevant[section] = {k: v for k, v in relevant[section].items() if k not in keys}
     relevant["devices"]["world_size"] = params.devices.world_size
+    relevant["code_sha256"] = code_digest()
     text = json.dumps(relevant, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest(), relevant
 

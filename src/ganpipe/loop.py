@@ -160,7 +160,7 @@ def _resume(
     state = context.broadcast_object(state)
     if state is None:
         log.info("no checkpoint in %s: training from the start", run_dir)
-        return 0, 0
+        return 0, 0, {}
     dist.unwrap(gan.g).load_state_dict(state["g"])
     dist.unwrap(gan.d).load_state_dict(state["d"])
     g_ema.load_state_dict(state["g_ema"])
@@ -169,7 +169,7 @@ def _resume(
     gan.scaler.load_state_dict(state["scaler"])
     runtime.set_rng_state(state["rng"][context.rank])
     log.info("resumed from %s (%d images seen)", state["path"], state["images_seen"])
-    return state["iteration"], state["skipped_steps"]
+    return state["iteration"], state["skipped_steps"], state.get("last_scalars", {})
 
 
 def _save(
@@ -181,6 +181,7 @@ def _save(
     iteration: int,
     images_seen: int,
     skipped: int,
+    last_scalars: dict[str, float],
 ) -> Path | None:
     """Write a full-state checkpoint (rank 0), with every rank's RNG states."""
     rngs = context.gather_objects(runtime.rng_state())
@@ -197,6 +198,7 @@ def _save(
             "opt_d": gan.opt_d.state_dict(),
             "scaler": gan.scaler.state_dict(),
             "rng": rngs,
+            "last_scalars": last_scalars,
         }
         path = checkpoint.save_checkpoint(state, run_dir, images_seen, keep)
     context.barrier()
@@ -242,15 +244,22 @@ def train(
             f"({len(dataset)} images); lower it or add data"
         )
     gan, g_ema = build_gan(params, context)
-    start, skipped = 0, 0
+    start, skipped, means = 0, 0, {}
     if run_dir is not None:
-        start, skipped = _resume(params, gan, g_ema, context, run_dir)
+        start, skipped, means = _resume(params, gan, g_ema, context, run_dir)
     strategy = STRATEGIES[cfg.strategy]
     z_dim, per_iteration = params.model.z_dim, cfg.batch_size * cfg.n_critic
     mine = context.local_slice(cfg.batch_size)
     logger = logger if context.is_main else None
 
     iterations = math.ceil(cfg.kimg * 1000 / per_iteration)
+    if start > iterations:
+        log.warning(
+            "the checkpoint has %d images, more than train.kimg=%s asks for; its "
+            "weights are used as they are",
+            start * per_iteration,
+            cfg.kimg,
+        )
     log_every = max(1, round(cfg.log_every_kimg * 1000 / per_iteration))
     snapshot_every = max(1, round(cfg.snapshot_kimg * 1000 / per_iteration))
     checkpoint_every = max(1, round(cfg.checkpoint_kimg * 1000 / per_iteration))
@@ -355,10 +364,24 @@ def train(
             if run_dir is not None and (done % checkpoint_every == 0 or done == iterations or stop):
                 check_finite(done, stats)  # never checkpoint a diverged state
                 path = _save(
-                    gan, g_ema, context, run_dir, cfg.keep_checkpoints, done, images_seen, skipped
+                    gan,
+                    g_ema,
+                    context,
+                    run_dir,
+                    cfg.keep_checkpoints,
+                    done,
+                    images_seen,
+                    skipped,
+                    means,
                 )
             if stop:
                 raise TrainingInterrupted(images_seen, path if run_dir is not None else None)
+    if start >= iterations and logger is not None:
+        # Resumed a finished run: the log (which DVC cleared) gets its final record again.
+        final = start * per_iteration
+        if means:
+            logger.log_scalars(final, means)
+        logger.log_grid(final, snapshot(g_ema, fixed_z, params.generate.grid_rows))
     if skipped:
         log.warning("the fp16 GradScaler skipped %d of %d iterations", skipped, iterations)
     log.info("trained %d iterations, %.1f kimg", iterations, iterations * per_iteration / 1000)

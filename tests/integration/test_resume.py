@@ -274,3 +274,33 @@ def test_a_full_disk_during_a_save_leaves_the_previous_checkpoints_intact(tmp_pa
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before  # no leftovers
     assert load_newest_checkpoint(run_dir)["images_seen"] == 64
+
+
+def test_resuming_a_finished_run_logs_its_final_record(tmp_path, data_dir):
+    params = parse_params({**RUN, "train": {**RUN["train"], "kimg": 0.64}})
+    dataset = LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True)
+
+    class Recorder:
+        def __init__(self):
+            self.scalars, self.grids = [], []
+
+        def log_scalars(self, images_seen, scalars):
+            self.scalars.append((images_seen, scalars))
+
+        def log_grid(self, images_seen, grid):
+            self.grids.append(images_seen)
+
+    first, again = Recorder(), Recorder()
+    loop.train(params, dataset, torch.device("cpu"), first, progress=False, run_dir=tmp_path)
+    result = loop.train(
+        params, dataset, torch.device("cpu"), again, progress=False, run_dir=tmp_path
+    )
+    assert again.scalars == [first.scalars[-1]] and again.grids == [640]
+    assert result.images_seen == 640
+
+
+def test_new_code_does_not_resume_an_old_run(monkeypatch):
+    params = parse_params(RUN)
+    before = run_fingerprint(params)[0]
+    monkeypatch.setattr(checkpoint, "code_digest", lambda: "0" * 64)
+    assert run_fingerprint(params)[0] != before
