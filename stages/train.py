@@ -187,9 +187,10 @@ def main(params: Params) -> None:
         # Only rank 0 writes: logs, images and models. The others wait at the barrier.
         run_dir = checkpoint_dir(params) if context.is_main else None
         run_dir = Path(context.broadcast_object(str(run_dir)))
-        resuming = any(run_dir.glob("ckpt-*.pt"))  # then the log continues, too
+        # The log starts afresh: dvclive's own files are not written atomically, and a
+        # killed run can leave a truncated metrics.json that resume=True would fail on.
         live = (
-            Live(LOG_DIR, dvcyaml=None, save_dvc_exp=False, report=None, resume=resuming)
+            Live(LOG_DIR, dvcyaml=None, save_dvc_exp=False, report=None)
             if context.is_main
             else contextlib.nullcontext()
         )
