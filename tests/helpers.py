@@ -51,3 +51,16 @@ def descendants(pid: int) -> list[int]:
             if ppid == pid:
                 found += [int(entry.name), *descendants(int(entry.name))]
     return found
+
+
+class Recorder:
+    """A training logger that keeps what the loop reports (``loop.TrainLogger``)."""
+
+    def __init__(self):
+        self.scalars, self.grids = [], []
+
+    def log_scalars(self, images_seen, scalars):
+        self.scalars.append((images_seen, scalars))
+
+    def log_grid(self, images_seen, grid):
+        self.grids.append((images_seen, grid.shape))

@@ -21,6 +21,7 @@ from ganpipe.params import load_params
 from stages import generate as generate_stage
 from stages import train as train_stage
 from tests.conftest import REPO
+from tests.helpers import write_project
 
 TINY = {
     "seed": 3,
@@ -40,14 +41,7 @@ TINY = {
 
 def make_project(path: Path, **overrides) -> Path:
     """A folder with a tiny params.yaml and a prepared dataset."""
-    params = json.loads(json.dumps(TINY))
-    for section, values in overrides.items():
-        if isinstance(values, dict):
-            params.setdefault(section, {}).update(values)
-        else:
-            params[section] = values
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "params.yaml").write_text(yaml.safe_dump(params))
+    write_project(path, TINY, **overrides)
     loaded = load_params(path / "params.yaml")
     prepare_dataset(loaded.data, loaded.seed, path / "data", progress=False)
     return path

@@ -20,6 +20,7 @@ from ganpipe.data.prepare import prepare_dataset
 from ganpipe.params import DataParams, parse_params
 from ganpipe.strategies import STRATEGIES
 from tests.conftest import REPO
+from tests.helpers import Recorder
 
 TINY = {
     "seed": 5,
@@ -155,17 +156,6 @@ def test_a_non_finite_loss_names_the_step_strategy_and_loss(digits16, monkeypatc
     message = str(info.value)
     assert "non-finite loss at step 3" in message
     assert "train.strategy=g_first_detach" in message and "train.loss=hinge" in message
-
-
-class Recorder:
-    def __init__(self):
-        self.scalars, self.grids = [], []
-
-    def log_scalars(self, images_seen, scalars):
-        self.scalars.append((images_seen, scalars))
-
-    def log_grid(self, images_seen, grid):
-        self.grids.append((images_seen, grid.shape))
 
 
 def test_fp16_counts_the_steps_the_scaler_skips(digits16, monkeypatch):
