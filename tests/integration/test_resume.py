@@ -170,13 +170,16 @@ def test_sigkill_during_a_checkpoint_write(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_non_zero(tmp_path, data_dir):
-    reference = project(tmp_path / "reference", data_dir)
-    began = time.monotonic()
+    # Long enough that the signal, sent once the first checkpoint exists, lands mid-training
+    # (a fixed delay once landed after training, in the interpreter's exit).
+    longer = {"kimg": 16}
+    reference = project(tmp_path / "reference", data_dir, train=longer)
     finish(start(reference))
-    duration = time.monotonic() - began
-    root = project(tmp_path / "stopped", data_dir)
+    root = project(tmp_path / "stopped", data_dir, train=longer)
     proc = start(root)
-    time.sleep(0.7 * duration)
+    while not list((root / "checkpoints").glob("*/ckpt-*.pt")):
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.005)
     os.killpg(proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
