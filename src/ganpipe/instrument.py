@@ -24,7 +24,7 @@ class PassCounter:
         g.register_forward_hook(lambda m, args, out: self._forward("G", out))
         d.register_forward_hook(
             lambda m, args, out: self._forward(
-                "D(real)" if args[0] is self._real else "D(fake)", out
+                "D(real)" if self._is_real(args[0]) else "D(fake)", out
             )
         )
         for net, name in ((g, "G"), (d, "D")):
@@ -36,8 +36,13 @@ class PassCounter:
         self.param_grads = {"G": 0, "D": 0}
 
     def watch_real(self, real: torch.Tensor) -> None:
-        """Tell D(real) from D(fake) by the identity of the real batch."""
+        """Tell D(real) from D(fake) by the storage of the real batch (micro-batches are views)."""
         self._real = real
+
+    def _is_real(self, x: torch.Tensor) -> bool:
+        return self._real is not None and (
+            x.untyped_storage().data_ptr() == self._real.untyped_storage().data_ptr()
+        )
 
     def _forward(self, key: str, out: torch.Tensor) -> None:
         self.counts[key] += 1

@@ -130,6 +130,7 @@ def build_gan(params: Params, context: DistContext | torch.device) -> tuple[Gan,
         loss=build_loss(cfg),
         scaler=runtime.grad_scaler(params.precision, device),
         autocast=runtime.autocast_factory(params.precision, device),
+        grad_accum=cfg.grad_accum,
     )
     return gan, g_ema
 

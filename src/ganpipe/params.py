@@ -172,6 +172,10 @@ class TrainParams(_Section):
     """D updates per G update; each D update sees its own real batch."""
     batch_size: int = Field(64, ge=1, le=65536)
     """Global batch size (images per optimizer step)."""
+    grad_accum: int = Field(1, ge=1, le=1024)
+    """Micro-batches per optimizer step: each process runs batch_size / (world size x
+    grad_accum) images at a time and adds up their gradients (less memory, same update with a
+    per-sample norm)."""
     kimg: float = Field(200.0, gt=0)
     """Length of training, in thousands of real images shown to D."""
     optimizer: Literal["adam", "sgd"] = "adam"
@@ -262,11 +266,12 @@ def _cross_section_problems(
             "gradient per sample, which BatchNorm (model.norm=batch) mixes across the batch; "
             "use model.norm layer, instance, spectral or none"
         )
-    if train and devices and train.batch_size % devices.world_size:
-        world = devices.world_size
+    if train and devices and train.batch_size % (devices.world_size * train.grad_accum):
+        world, parts = devices.world_size, devices.world_size * train.grad_accum
         problems.append(
             f"train.batch_size={train.batch_size} is not divisible by world size {world} "
-            f"(devices.nproc_per_node x devices.nnodes); use a multiple of {world}"
+            f"(devices.nproc_per_node x devices.nnodes) x train.grad_accum={train.grad_accum}; "
+            f"use a multiple of {parts}"
         )
     if model and devices and model.norm == "sync_batch" and devices.accelerator == "cpu":
         problems.append(

@@ -12,16 +12,22 @@ Every backward is restricted with ``inputs=`` to the parameters of the network t
 about to step: no gradient is computed that no optimizer uses, and no loss leaks into the
 other network's update. With ``n_critic > 1`` the extra D updates come first for the two
 D-first strategies and last for ``g_first_detach``; they use fakes drawn without a graph.
+
+With ``grad_accum > 1`` every phase runs its batch as equal micro-batches whose losses are
+divided by ``grad_accum``: the summed gradients are those of the whole batch (exactly so
+with a per-sample norm), activations are held for one micro-batch at a time, and DDP
+all-reduces once per update (``no_sync`` on all micro-batches but the last).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ganpipe.losses import GanLoss
 
@@ -39,6 +45,30 @@ class Gan:
     loss: GanLoss
     scaler: torch.amp.GradScaler
     autocast: Callable[[], AbstractContextManager]
+    grad_accum: int = 1
+    """Micro-batches per update: their gradients add up before the optimizer steps."""
+
+    def micro(self, real: torch.Tensor, z: torch.Tensor) -> Iterator[tuple[Tensor, Tensor]]:
+        """This rank's batch as ``grad_accum`` equal micro-batches of (real, latent)."""
+        return zip(real.chunk(self.grad_accum), z.chunk(self.grad_accum), strict=True)
+
+    def accumulating(self, net: nn.Module, last: bool) -> AbstractContextManager:
+        """DDP's ``no_sync`` for every micro-batch but the last.
+
+        DDP decides at forward time whether the coming backward all-reduces, so the forward
+        and the backward of a micro-batch both run inside this context.
+        """
+        if last or not isinstance(net, DistributedDataParallel):
+            return nullcontext()
+        return net.no_sync()
+
+    def frozen(self, net: nn.Module) -> AbstractContextManager:
+        """DDP's ``no_sync`` for a pass through the network that does not step.
+
+        Its reducer would otherwise stay armed by that forward and all-reduce the next
+        backward that reaches its parameters, even one inside ``no_sync``.
+        """
+        return self.accumulating(net, last=False)
 
     def d_loss(self, real_scores, fake_scores, real, fake) -> torch.Tensor:
         """D's loss, plus its penalty (which runs its own D forward) when configured."""
@@ -63,25 +93,50 @@ class Gan:
         return norm
 
 
-def _stats(loss_d, loss_g, real_scores, fake_scores, norm_d, norm_g) -> Stats:
+class _Record:
+    """Losses and scores of one phase, summed over its micro-batches."""
+
+    def __init__(self):
+        self.loss = torch.zeros(())
+        self.scores: list[torch.Tensor] = []
+
+    def add(self, loss: torch.Tensor, *scores: torch.Tensor) -> None:
+        self.loss = self.loss.to(loss.device) + loss.detach().float()
+        self.scores += [s.detach().float() for s in scores]
+
+    def mean_score(self, which: int, per_micro: int) -> torch.Tensor:
+        return torch.cat([s.flatten() for s in self.scores[which::per_micro]]).mean()
+
+
+def _stats(d: _Record, g: _Record, norm_d, norm_g) -> Stats:
     return {
-        "loss/d": loss_d.detach(),
-        "loss/g": loss_g.detach(),
-        "d/real": real_scores.detach().float().mean(),
-        "d/fake": fake_scores.detach().float().mean(),
+        "loss/d": d.loss,
+        "loss/g": g.loss,
+        "d/real": d.mean_score(0, 2),
+        "d/fake": d.mean_score(1, 2),
         "grad_norm/d": norm_d.detach(),
         "grad_norm/g": norm_g.detach(),
     }
 
 
+def _d_micro(gan: Gan, real, fake, last: bool, record: _Record) -> None:
+    """D's forward and backward on one micro-batch (``fake`` is used detached)."""
+    with gan.accumulating(gan.d, last):
+        with gan.autocast():
+            fake_scores = gan.d(fake.detach())
+            real_scores = gan.d(real)
+        loss = gan.d_loss(real_scores, fake_scores, real, fake) / gan.grad_accum
+        gan.backward(loss, gan.d)
+    record.add(loss, real_scores, fake_scores)
+
+
 def _critic_update(gan: Gan, real: torch.Tensor, z: torch.Tensor) -> None:
     """An extra D update (n_critic > 1) on fakes made without a graph."""
     gan.opt_d.zero_grad(set_to_none=True)
-    with gan.autocast():
-        with torch.no_grad():
-            fake = gan.g(z)
-        loss_d = gan.d_loss(gan.d(real), gan.d(fake), real, fake)
-    gan.backward(loss_d, gan.d)
+    for i, (real_i, z_i) in enumerate(gan.micro(real, z)):
+        with torch.no_grad(), gan.autocast():
+            fake = gan.g(z_i)
+        _d_micro(gan, real_i, fake, i == gan.grad_accum - 1, _Record())
     gan.step(gan.opt_d)
 
 
@@ -89,63 +144,83 @@ def d_first_retain(gan: Gan, reals: Sequence[torch.Tensor], zs: Sequence[torch.T
     """One shared forward; both gradients against the pre-update D, then both steps."""
     for real, z in zip(reals[:-1], zs[:-1], strict=True):
         _critic_update(gan, real, z)
-    real, z = reals[-1], zs[-1]
     gan.opt_d.zero_grad(set_to_none=True)
     gan.opt_g.zero_grad(set_to_none=True)
-    with gan.autocast():
-        fake = gan.g(z)
-        fake_scores = gan.d(fake)
-        real_scores = gan.d(real)
-    loss_d = gan.d_loss(real_scores, fake_scores, real, fake)
-    loss_g = gan.loss.g(fake_scores)
-    gan.backward(loss_d, gan.d, retain_graph=True)
-    gan.backward(loss_g, gan.g)
+    rec_d, rec_g = _Record(), _Record()
+    for i, (real, z) in enumerate(gan.micro(reals[-1], zs[-1])):
+        last = i == gan.grad_accum - 1
+        with gan.accumulating(gan.g, last), gan.accumulating(gan.d, last):
+            with gan.autocast():
+                fake = gan.g(z)
+                fake_scores = gan.d(fake)
+                real_scores = gan.d(real)
+            loss_d = gan.d_loss(real_scores, fake_scores, real, fake) / gan.grad_accum
+            loss_g = gan.loss.g(fake_scores) / gan.grad_accum
+            gan.backward(loss_d, gan.d, retain_graph=True)
+            gan.backward(loss_g, gan.g)
+        rec_d.add(loss_d, real_scores, fake_scores)
+        rec_g.add(loss_g)
     norm_d = gan.step(gan.opt_d)
     norm_g = gan.step(gan.opt_g)
-    return _stats(loss_d, loss_g, real_scores, fake_scores, norm_d, norm_g)
+    return _stats(rec_d, rec_g, norm_d, norm_g)
 
 
 def d_first_detach(gan: Gan, reals: Sequence[torch.Tensor], zs: Sequence[torch.Tensor]) -> Stats:
-    """D on detached fakes and steps; then G through a fresh pass of the updated D."""
+    """D on detached fakes and steps; then G through a fresh pass of the updated D.
+
+    With one micro-batch, G's forward of the D phase is kept for the G phase. With
+    ``grad_accum > 1`` the D phase makes its fakes without a graph and the G phase runs G
+    again per micro-batch: keeping every micro-batch's graph would cost the memory that
+    accumulation saves, and DDP must see each micro-batch's forward just before its backward.
+    """
     for real, z in zip(reals[:-1], zs[:-1], strict=True):
         _critic_update(gan, real, z)
-    real, z = reals[-1], zs[-1]
+    keep_graph = gan.grad_accum == 1
+    micro = list(gan.micro(reals[-1], zs[-1]))
     gan.opt_d.zero_grad(set_to_none=True)
-    with gan.autocast():
-        fake = gan.g(z)
-        fake_scores = gan.d(fake.detach())
-        real_scores = gan.d(real)
-    loss_d = gan.d_loss(real_scores, fake_scores, real, fake)
-    gan.backward(loss_d, gan.d)
+    rec_d, rec_g, fakes = _Record(), _Record(), []
+    for i, (real, z) in enumerate(micro):
+        with torch.set_grad_enabled(keep_graph), gan.autocast():
+            fake = gan.g(z)
+        _d_micro(gan, real, fake, i == gan.grad_accum - 1, rec_d)
+        fakes.append(fake)
     norm_d = gan.step(gan.opt_d)
 
     gan.opt_g.zero_grad(set_to_none=True)
-    with gan.autocast():
-        loss_g = gan.loss.g(gan.d(fake))
-    gan.backward(loss_g, gan.g)
+    for i, ((_, z), fake) in enumerate(zip(micro, fakes, strict=True)):
+        with gan.accumulating(gan.g, i == gan.grad_accum - 1), gan.frozen(gan.d):
+            with gan.autocast():
+                if not keep_graph:
+                    fake = gan.g(z)
+                loss_g = gan.loss.g(gan.d(fake)) / gan.grad_accum
+            gan.backward(loss_g, gan.g)
+        rec_g.add(loss_g)
     norm_g = gan.step(gan.opt_g)
-    return _stats(loss_d, loss_g, real_scores, fake_scores, norm_d, norm_g)
+    return _stats(rec_d, rec_g, norm_d, norm_g)
 
 
 def g_first_detach(gan: Gan, reals: Sequence[torch.Tensor], zs: Sequence[torch.Tensor]) -> Stats:
     """G through the current D and steps; then D on the detached pre-update fakes."""
+    micro = list(gan.micro(reals[0], zs[0]))
     gan.opt_g.zero_grad(set_to_none=True)
-    with gan.autocast():
-        fake = gan.g(zs[0])
-        loss_g = gan.loss.g(gan.d(fake))
-    gan.backward(loss_g, gan.g)
+    rec_d, rec_g, fakes = _Record(), _Record(), []
+    for i, (_, z) in enumerate(micro):
+        with gan.accumulating(gan.g, i == gan.grad_accum - 1), gan.frozen(gan.d):
+            with gan.autocast():
+                fake = gan.g(z)
+                loss_g = gan.loss.g(gan.d(fake)) / gan.grad_accum
+            gan.backward(loss_g, gan.g)
+        rec_g.add(loss_g)
+        fakes.append(fake.detach())
     norm_g = gan.step(gan.opt_g)
 
     gan.opt_d.zero_grad(set_to_none=True)
-    with gan.autocast():
-        fake_scores = gan.d(fake.detach())
-        real_scores = gan.d(reals[0])
-    loss_d = gan.d_loss(real_scores, fake_scores, reals[0], fake)
-    gan.backward(loss_d, gan.d)
+    for i, ((real, _), fake) in enumerate(zip(micro, fakes, strict=True)):
+        _d_micro(gan, real, fake, i == gan.grad_accum - 1, rec_d)
     norm_d = gan.step(gan.opt_d)
     for real, z in zip(reals[1:], zs[1:], strict=True):
         _critic_update(gan, real, z)
-    return _stats(loss_d, loss_g, real_scores, fake_scores, norm_d, norm_g)
+    return _stats(rec_d, rec_g, norm_d, norm_g)
 
 
 Strategy = Callable[[Gan, Sequence[torch.Tensor], Sequence[torch.Tensor]], Stats]

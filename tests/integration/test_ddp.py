@@ -76,11 +76,17 @@ def max_difference(a, b) -> float:
     return max((a[n][k].double() - b[n][k].double()).abs().max().item() for n in a for k in a[n])
 
 
-@pytest.mark.parametrize("strategy", ["d_first_retain", "d_first_detach", "g_first_detach"])
-def test_two_processes_equal_one_process_with_the_whole_batch(tmp_path, data_dir, strategy):
+@pytest.mark.parametrize(
+    ("strategy", "accum"),
+    [("d_first_retain", 1), ("d_first_detach", 1), ("g_first_detach", 1), ("d_first_detach", 2)],
+)
+def test_two_processes_equal_one_process_with_the_whole_batch(tmp_path, data_dir, strategy, accum):
     one = project(tmp_path / "one", data_dir, train={"strategy": strategy})
     two = project(
-        tmp_path / "two", data_dir, train={"strategy": strategy}, devices={"nproc_per_node": 2}
+        tmp_path / "two",
+        data_dir,
+        train={"strategy": strategy, "grad_accum": accum},
+        devices={"nproc_per_node": 2},
     )
     logs = []
     for root in (one, two):
@@ -111,41 +117,61 @@ def test_two_process_runs_are_bit_identical(tmp_path, data_dir):
 
 
 ALLREDUCE_WORKER = """
-import contextlib, json, torch, torch.distributed as dist
+import json, torch, torch.distributed as dist
 from ganpipe import loop
-from ganpipe.dist import DistContext
+from ganpipe.dist import DistContext, unwrap
 from ganpipe.params import parse_params
 from ganpipe.strategies import STRATEGIES
 
 dist.init_process_group("gloo")
-context = DistContext(dist.get_rank(), dist.get_rank(), 2, torch.device("cpu"))
-counts = {}
-for name in STRATEGIES:
-    params = parse_params({"model": {"z_dim": 8, "g_width": 4, "d_width": 4},
-                           "data": {"image_size": 16}, "train": {"batch_size": 16}})
-    gan, _ = loop.build_gan(params, context)
-    calls = {"G": 0, "D": 0}
-    def counting(net):
-        def hook(state, bucket):
-            calls[net] += 1
-            work = dist.all_reduce(bucket.buffer().div_(2), async_op=True)
-            return work.get_future().then(lambda f: f.value()[0])
-        return hook
-    gan.g.register_comm_hook(None, counting("G"))
-    gan.d.register_comm_hook(None, counting("D"))
-    for step in range(3):
-        STRATEGIES[name](gan, [torch.rand(8, 1, 16, 16)], [torch.randn(8, 8)])
-    counts[name] = dict(calls)
-if dist.get_rank() == 0:
+rank = dist.get_rank()
+context = DistContext(rank, rank, 2, torch.device("cpu"))
+counts, differences = {}, {}
+for accum in (1, 2):
+    for name in STRATEGIES:
+        params = parse_params({"model": {"z_dim": 8, "g_width": 4, "d_width": 4,
+                                         "norm": "instance"},
+                               "data": {"image_size": 16},
+                               "train": {"batch_size": 16, "grad_accum": accum,
+                                         "optimizer": "sgd", "lr_g": 0.01, "lr_d": 0.01}})
+        gan, _ = loop.build_gan(params, context)
+        whole, _ = loop.build_gan(params.model_copy(update={"train": params.train.model_copy(
+            update={"grad_accum": 1})}), torch.device("cpu"))  # one process, whole batch
+        calls = {"G": 0, "D": 0}
+        def counting(net):
+            def hook(state, bucket):
+                calls[net] += 1
+                work = dist.all_reduce(bucket.buffer().div_(2), async_op=True)
+                return work.get_future().then(lambda f: f.value()[0])
+            return hook
+        gan.g.register_comm_hook(None, counting("G"))
+        gan.d.register_comm_hook(None, counting("D"))
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step)
+            real, z = torch.rand(16, 1, 16, 16, generator=gen), torch.randn(16, 8, generator=gen)
+            mine = slice(8 * rank, 8 * rank + 8)
+            STRATEGIES[name](gan, [real[mine]], [z[mine]])
+            STRATEGIES[name](whole, [real], [z])
+        counts[f"{name}/{accum}"] = dict(calls)
+        differences[f"{name}/{accum}"] = max(
+            (a - b).abs().max().item()
+            for net, ref in ((gan.g, whole.g), (gan.d, whole.d))
+            for a, b in zip(unwrap(net).parameters(), ref.parameters(), strict=True)
+        )
+if rank == 0:
     print("COUNTS " + json.dumps(counts))
+    print("DIFFERENCES " + json.dumps(differences))
 dist.destroy_process_group()
 """
 
 
-def test_frozen_network_triggers_no_all_reduce(tmp_path):
-    """Per step: one all-reduce for G and one for D (one bucket each), for every strategy.
+def test_frozen_network_triggers_no_all_reduce_and_accumulation_syncs_once(tmp_path):
+    """Per step: one all-reduce for G and one for D (one bucket each), for every strategy,
+    with or without gradient accumulation.
 
-    A frozen network that synchronised anyway would show two for D (its pass in G's phase).
+    A frozen network that synchronised anyway would show two for D (its pass in G's phase);
+    accumulation without ``no_sync`` would show one per micro-batch. The same run checks
+    that 2 ranks x 2 micro-batches update exactly like one process with the whole batch.
     """
     script = tmp_path / "worker.py"
     script.write_text(ALLREDUCE_WORKER)
@@ -164,11 +190,11 @@ def test_frozen_network_triggers_no_all_reduce(tmp_path):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    line = next(x for x in result.stdout.splitlines() if x.startswith("COUNTS "))
-    counts = json.loads(line.removeprefix("COUNTS "))
-    assert counts == {
-        name: {"G": 3, "D": 3} for name in ("d_first_retain", "d_first_detach", "g_first_detach")
-    }
+    lines = dict(x.split(" ", 1) for x in result.stdout.splitlines() if " " in x)
+    counts, differences = json.loads(lines["COUNTS"]), json.loads(lines["DIFFERENCES"])
+    names = ("d_first_retain", "d_first_detach", "g_first_detach")
+    assert counts == {f"{n}/{a}": {"G": 3, "D": 3} for n in names for a in (1, 2)}
+    assert all(diff < 1e-6 for diff in differences.values()), differences
 
 
 def free_port() -> int:

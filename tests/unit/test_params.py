@@ -92,6 +92,11 @@ BAD_PARAMS = [
         "train.batch_size=48 is not divisible by world size 5",
     ),
     (
+        "train: {batch_size: 64, grad_accum: 3}",
+        "(top level)",
+        "x train.grad_accum=3; use a multiple of 3",
+    ),
+    (
         "train: {batch_size: 64}\ndevices: {nproc_per_node: 2, nnodes: 3}",
         "(top level)",
         "use a multiple of 6",

@@ -191,3 +191,47 @@ def test_pass_counter_sees_the_wasted_gradients_of_the_mistake():
     simultaneous_mistake(g, d, reals, zs)
     assert counter.param_grads["G"] == 2 * len(list(g.parameters()))
     assert counter.param_grads["D"] == 2 * len(list(d.parameters()))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("n_critic", [1, 2])
+def test_gradient_accumulation_equals_the_whole_batch(name, n_critic):
+    """Micro-batches of 4 or 2 give the update of the whole batch of 8 (float64, SGD)."""
+    gen = torch.Generator().manual_seed(2)
+    reals = [torch.randn(8, 3, generator=gen, dtype=torch.float64) for _ in range(n_critic)]
+    zs = [torch.randn(8, 4, generator=gen, dtype=torch.float64) for _ in range(n_critic)]
+    results = {}
+    for accum in (1, 2, 4):
+        g, d = tiny_nets()
+        gan = make_gan(g, d)
+        gan.grad_accum = accum
+        stats = STRATEGIES[name](gan, reals, zs)
+        stats = STRATEGIES[name](gan, reals, zs)  # a second step, from different weights
+        flat = torch.cat([p.detach().flatten() for p in [*g.parameters(), *d.parameters()]])
+        results[accum] = (flat, stats)
+    whole, whole_stats = results[1]
+    for accum in (2, 4):
+        flat, stats = results[accum]
+        assert (flat - whole).abs().max() < 1e-12, accum
+        for key, value in whole_stats.items():
+            assert torch.allclose(stats[key].double(), value.double(), atol=1e-12), key
+
+
+def test_gradient_accumulation_differs_from_stepping_per_micro_batch():
+    """The check above can fail: stepping after each half batch is a different update."""
+    gen = torch.Generator().manual_seed(2)
+    reals, zs = (
+        [torch.randn(8, 3, generator=gen, dtype=torch.float64)],
+        [torch.randn(8, 4, generator=gen, dtype=torch.float64)],
+    )
+    g, d = tiny_nets()
+    STRATEGIES["d_first_detach"](make_gan(g, d), reals, zs)
+    whole = torch.cat([p.detach().flatten() for p in [*g.parameters(), *d.parameters()]])
+    g, d = tiny_nets()
+    gan = make_gan(g, d)
+    for half in range(2):
+        STRATEGIES["d_first_detach"](
+            gan, [reals[0][half * 4 : half * 4 + 4]], [zs[0][half * 4 : half * 4 + 4]]
+        )
+    stepped = torch.cat([p.detach().flatten() for p in [*g.parameters(), *d.parameters()]])
+    assert (stepped - whole).abs().max() > 1e-4
