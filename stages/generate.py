@@ -1,24 +1,31 @@
-"""generate: a fixed-seed grid of samples from the EMA generator.
+"""generate: samples from the EMA generator — a grid, interpolations and exported PNGs.
 
 Inputs: params ``generate``, ``devices``, ``determinism``; ``models/g_ema.pt``.
-Outputs: ``samples/grid.png`` (written atomically).
+Outputs: ``samples/grid.png`` (fixed-seed grid), ``samples/interpolation.png`` (latent
+interpolation strips), ``samples/images/NNNNNN.png`` (``generate.num_images`` samples for
+external tools). Files are written atomically, the folder is swapped in when complete.
 Command: ``python -m stages.generate``
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from ganpipe import runtime
 from ganpipe.checkpoint import load
 from ganpipe.nets import DcganGenerator
 from ganpipe.params import ModelParams, Params
-from ganpipe.sampling import generate_grid, save_png
+from ganpipe.sampling import export_pngs, interpolation_strips, sample_grid, save_png
 from stages import _cli
+
+SAMPLES = Path("samples")
 
 
 def load_generator(path: Path) -> tuple[DcganGenerator, ModelParams]:
     """Rebuild a generator from a model file written by the train stage."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing; run `dvc repro train` first")
     record = load(path)
     model = ModelParams(**record["model"])
     g = DcganGenerator(
@@ -30,9 +37,19 @@ def load_generator(path: Path) -> tuple[DcganGenerator, ModelParams]:
 
 def main(params: Params) -> None:
     runtime.configure_runtime(params.seed, params.devices, params.determinism)
+    cfg = params.generate
     g, model = load_generator(Path("models/g_ema.pt"))
-    grid = generate_grid(g, model.z_dim, params.generate.grid_rows, params.generate.seed)
-    save_png(grid, Path("samples/grid.png"))
+    g.to(runtime.resolve_device(params.devices))
+    grid = sample_grid(g, model.z_dim, cfg.grid_rows, cfg.seed, cfg.truncation)
+    save_png(grid, SAMPLES / "grid.png")
+    strips = interpolation_strips(
+        g, model.z_dim, cfg.interpolation_rows, cfg.interpolation_steps, cfg.seed, cfg.truncation
+    )
+    save_png(strips, SAMPLES / "interpolation.png")
+    if cfg.num_images:
+        export_pngs(g, model.z_dim, cfg.num_images, cfg.seed, SAMPLES / "images", cfg.truncation)
+    elif (SAMPLES / "images").exists():
+        shutil.rmtree(SAMPLES / "images")
 
 
 if __name__ == "__main__":

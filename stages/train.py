@@ -20,7 +20,6 @@ import contextlib
 import json
 import logging
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.loop import TrainingInterrupted, train
 from ganpipe.params import Params
 from stages import _cli
+from stages._launch import launch
 
 log = logging.getLogger("stages.train")
 MODELS = Path("models")
@@ -65,57 +65,6 @@ def model_record(params: Params, net: str, state_dict: dict) -> dict:
         "channels": params.data.channels,
         "state_dict": state_dict,
     }
-
-
-def launch(params: Params) -> int:
-    """Run this stage again under torchrun, one process per device; return its exit code.
-
-    The workers' environment is fixed here, before any of them imports torch:
-    ``CUDA_VISIBLE_DEVICES`` (devices.gpus), ``OMP_NUM_THREADS`` (devices.cpu_threads) and
-    ``CUBLAS_WORKSPACE_CONFIG``. One node uses ``--standalone``; several use the c10d
-    rendezvous at devices.rdzv_endpoint. ``--max-restarts 0``: a failed rank fails the run.
-    """
-    devices = params.devices
-    env = {**os.environ, "OMP_NUM_THREADS": str(devices.cpu_threads)}
-    if runtime.wants_cuda(devices):
-        runtime.check_gpus(devices)
-        if isinstance(devices.gpus, list):
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices.gpus))
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={devices.nproc_per_node}",
-        "--max-restarts=0",
-    ]
-    if devices.nnodes == 1:
-        command.append("--standalone")
-    else:
-        command += [
-            f"--nnodes={devices.nnodes}",
-            f"--node-rank={devices.node_rank}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={devices.rdzv_endpoint}",
-            "--rdzv-id=ganpipe-train",
-            f"--rdzv-conf=timeout={devices.timeout_s}",
-        ]
-    command += ["-m", "stages.train", *sys.argv[1:]]
-    log.info(
-        "launching %d x %d processes: %s", devices.nnodes, devices.nproc_per_node, " ".join(command)
-    )
-    proc = subprocess.Popen(command, env=env)
-    # Pass SIGTERM / SIGINT on to torchrun, which passes them to the workers: they save a
-    # checkpoint and stop.
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda signum, frame: proc.send_signal(signum))
-    code = proc.wait()
-    if code != 0:
-        print(
-            f"error: distributed training failed (torchrun exit status {code}); the "
-            "failed rank and its error are reported above",
-            file=sys.stderr,
-        )
-    return code
 
 
 def checkpoint_dir(params: Params) -> Path:
@@ -160,7 +109,7 @@ class StopRequest:
 def main(params: Params) -> None:
     devices = params.devices
     if devices.world_size > 1 and "LOCAL_RANK" not in os.environ:
-        sys.exit(launch(params))
+        sys.exit(launch(params, "stages.train"))
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size != devices.world_size:

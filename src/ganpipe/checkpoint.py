@@ -33,15 +33,20 @@ def write_bytes_atomic(data: bytes, path: Path) -> None:
         os.close(directory)
 
 
-def save_atomic(obj: Any, path: Path) -> None:
-    """``torch.save`` atomically.
+def torch_bytes(obj: Any) -> bytes:
+    """What ``torch.save`` writes for ``obj``, serialised in memory.
 
-    The object is serialised to memory first: ``torch.save`` embeds the file name in the
-    archive, so saving to a temporary name would make identical weights hash differently.
+    ``torch.save`` embeds a file's name in the archive, so saving to a temporary name would
+    make identical weights hash differently; bytes from memory hash the same everywhere.
     """
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    write_bytes_atomic(buffer.getvalue(), path)
+    return buffer.getvalue()
+
+
+def save_atomic(obj: Any, path: Path) -> None:
+    """``torch.save`` atomically (see :func:`torch_bytes`)."""
+    write_bytes_atomic(torch_bytes(obj), path)
 
 
 def load(path: Path, map_location: str | torch.device = "cpu") -> Any:

@@ -218,6 +218,78 @@ class GenerateParams(_Section):
     """Seed of the latents of the sample grid."""
     grid_rows: int = Field(8, ge=1, le=64)
     """The grid is grid_rows x grid_rows images."""
+    num_images: int = Field(64, ge=0, le=1_000_000)
+    """Individual PNGs exported to samples/images/ for external tools (0: none)."""
+    truncation: float | None = Field(None, gt=0, le=10)
+    """Truncation trick: latents beyond ±truncation are redrawn (less variety, more typical
+    samples); null draws plain N(0, I)."""
+    interpolation_steps: int = Field(10, ge=2, le=64)
+    """Images in the latent interpolation strip (samples/interpolation.png)."""
+    interpolation_rows: int = Field(4, ge=1, le=64)
+    """Strips, one pair of end points each."""
+
+
+class FeaturenetParams(_Section):
+    """The feature network of FID/KID/precision-recall, trained by the featurenet stage on
+    the real training split (classification of the labels, or rotation prediction when the
+    data has a single class)."""
+
+    width: int = Field(16, ge=4, le=512)
+    """Channels of the first conv layer; features are 4 x width wide."""
+    epochs: int = Field(6, ge=1, le=1000)
+    """Passes over the training split."""
+    batch_size: int = Field(64, ge=1, le=65536)
+    """Images per step."""
+    lr: float = Field(1.0e-3, gt=0, le=1.0)
+    """Adam learning rate."""
+
+
+class EvalParams(_Section):
+    """The evaluate stage: FID, KID and precision/recall of EMA-G against the val split."""
+
+    feature_extractor: Literal["featurenet", "inception"] = "featurenet"
+    """featurenet: the network of the featurenet stage; inception: the standard FID
+    Inception-v3, read from eval.inception_weights (never downloaded)."""
+    inception_weights: str | None = None
+    """Local file of the FID Inception weights (torch-fidelity's
+    weights-inception-2015-12-05-6726825d.pth); needed with feature_extractor inception."""
+    inception_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    """Expected sha256 of inception_weights; null accepts only the standard file, whose
+    sha256 begins with 6726825d."""
+    num_samples: int = Field(2000, ge=2, le=1_000_000)
+    """Generated images compared with the real val split."""
+    batch_size: int = Field(250, ge=1, le=65536)
+    """Images per generation and feature batch (per process)."""
+    seed: int = Field(2024, ge=0, lt=2**63)
+    """Seed of the generated samples' latents."""
+    kid_subsets: int = Field(50, ge=1, le=10000)
+    """KID is the mean (± std) over this many random subsets."""
+    kid_subset_size: int = Field(100, ge=2, le=100_000)
+    """Images per KID subset; at most the number of real and of generated images."""
+    pr_k: int = Field(3, ge=1, le=100)
+    """k of the k-NN radii of precision/recall (Kynkäänniemi et al. 2019 use 3)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EvalParams:
+        problems = []
+        if self.feature_extractor == "inception" and self.inception_weights is None:
+            problems.append(
+                "eval.feature_extractor=inception needs eval.inception_weights: the path of a "
+                "local copy of weights-inception-2015-12-05-6726825d.pth (nothing is "
+                "downloaded); or use feature_extractor featurenet"
+            )
+        if self.kid_subset_size > self.num_samples:
+            problems.append(
+                f"eval.kid_subset_size={self.kid_subset_size} is more than "
+                f"eval.num_samples={self.num_samples}; lower it or generate more"
+            )
+        if self.pr_k >= self.num_samples:
+            problems.append(
+                f"eval.pr_k={self.pr_k} needs more than {self.pr_k} samples; raise eval.num_samples"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 class Params(_Section):
@@ -233,6 +305,8 @@ class Params(_Section):
     model: ModelParams = ModelParams()
     train: TrainParams = TrainParams()
     generate: GenerateParams = GenerateParams()
+    featurenet: FeaturenetParams = FeaturenetParams()
+    eval: EvalParams = EvalParams()
 
     @model_validator(mode="after")
     def _sections_fit_together(self) -> Params:

@@ -1,16 +1,21 @@
-"""Sample images from a generator: grids and exported files."""
+"""Sample images from a generator: latents, grids, interpolations and exported files."""
 
 from __future__ import annotations
 
 import io
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 from torchvision.utils import make_grid
+from tqdm import tqdm
 
+from ganpipe import runtime
 from ganpipe.checkpoint import write_bytes_atomic
+from ganpipe.files import replace_dir
 
 
 def to_uint8(images: torch.Tensor) -> torch.Tensor:
@@ -37,10 +42,106 @@ def save_png(pixels: np.ndarray, path: Path) -> None:
     write_bytes_atomic(png_bytes(pixels), path)
 
 
+def sample_latents(
+    seed: int, indices: range, z_dim: int, truncation: float | None = None
+) -> torch.Tensor:
+    """Latents of samples ``indices``: sample i's comes from (seed, i) alone.
+
+    So a sample is the same whichever process or batch makes it. With ``truncation``, values
+    beyond ±truncation are redrawn from the same stream (the truncation trick of BigGAN).
+    """
+    out = torch.empty(len(indices), z_dim)
+    for row, i in enumerate(indices):
+        gen = runtime.seeded_generator(seed, "sample", i)
+        z = torch.randn(z_dim, generator=gen)
+        if truncation is not None:
+            while (outside := z.abs() > truncation).any():
+                z[outside] = torch.randn(int(outside.sum()), generator=gen)
+        out[row] = z
+    return out
+
+
+def slerp(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Spherical interpolation between rows of ``a`` and ``b`` at fractions ``t``.
+
+    Gaussian latents live near a sphere; a straight line between two of them passes through
+    improbable low-norm points, the great circle does not.
+    """
+    a_n, b_n = a / a.norm(dim=-1, keepdim=True), b / b.norm(dim=-1, keepdim=True)
+    omega = torch.arccos((a_n * b_n).sum(-1, keepdim=True).clamp(-1.0, 1.0))
+    so = torch.sin(omega)
+    t = t.reshape(-1, 1)
+    linear = (1 - t) * a + t * b
+    spherical = (torch.sin((1 - t) * omega) * a + torch.sin(t * omega) * b) / so.clamp_min(1e-12)
+    return torch.where(so.abs() < 1e-6, linear, spherical)
+
+
 @torch.no_grad()
-def generate_grid(generator: torch.nn.Module, z_dim: int, rows: int, seed: int) -> np.ndarray:
-    """A ``rows x rows`` grid from latents seeded by ``seed`` (generator in eval mode)."""
-    z = torch.randn(rows * rows, z_dim, generator=torch.Generator().manual_seed(seed))
+def generate(generator: torch.nn.Module, z: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
+    """Images (CPU, [-1, 1]) of latents ``z``, generator in eval mode, in batches."""
     device = next(generator.parameters()).device
     generator.eval()
-    return image_grid(generator(z.to(device)), rows)
+    return torch.cat(
+        [generator(chunk.to(device)).clamp(-1, 1).cpu() for chunk in z.split(batch_size)]
+    )
+
+
+def sample_grid(
+    generator: torch.nn.Module, z_dim: int, rows: int, seed: int, truncation: float | None = None
+) -> np.ndarray:
+    """A ``rows x rows`` grid of samples ``0 .. rows² - 1`` of ``seed``."""
+    z = sample_latents(seed, range(rows * rows), z_dim, truncation)
+    return image_grid(generate(generator, z), rows)
+
+
+def interpolation_strips(
+    generator: torch.nn.Module,
+    z_dim: int,
+    rows: int,
+    steps: int,
+    seed: int,
+    truncation: float | None = None,
+) -> np.ndarray:
+    """``rows`` strips of ``steps`` images, each along the great circle between two latents."""
+    ends = sample_latents(
+        runtime.derive_seed(seed, "interpolation"), range(2 * rows), z_dim, truncation
+    )
+    t = torch.linspace(0, 1, steps)
+    z = torch.cat(
+        [
+            slerp(ends[2 * r].expand(steps, -1), ends[2 * r + 1].expand(steps, -1), t)
+            for r in range(rows)
+        ]
+    )
+    return image_grid(generate(generator, z), steps)
+
+
+def export_pngs(
+    generator: torch.nn.Module,
+    z_dim: int,
+    count: int,
+    seed: int,
+    out_dir: Path,
+    truncation: float | None = None,
+    batch_size: int = 256,
+    progress: bool = True,
+) -> None:
+    """Write samples ``0 .. count - 1`` as ``out_dir/000000.png`` ...; the folder is built
+    beside ``out_dir`` and swapped in when complete, so it never holds a partial set."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        with tqdm(
+            total=count, desc="export", unit="img", disable=not progress, mininterval=1.0
+        ) as bar:
+            for start in range(0, count, batch_size):
+                chunk = range(start, min(start + batch_size, count))
+                images = generate(generator, sample_latents(seed, chunk, z_dim, truncation))
+                for i, image in zip(chunk, images, strict=True):
+                    pixels = to_uint8(image).permute(1, 2, 0).numpy()
+                    (tmp / f"{i:06d}.png").write_bytes(png_bytes(pixels))
+                bar.update(len(chunk))
+        replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -24,8 +24,16 @@ TINY = {
     "devices": {"cpu_threads": 1},
     "model": {"z_dim": 8, "g_width": 4, "d_width": 4},
     "train": {"batch_size": 16, "kimg": 0.128, "snapshot_kimg": 0.064, "log_every_kimg": 0.032},
-    "generate": {"grid_rows": 2},
+    "generate": {
+        "grid_rows": 2,
+        "num_images": 4,
+        "interpolation_steps": 3,
+        "interpolation_rows": 2,
+    },
+    "featurenet": {"epochs": 1},
+    "eval": {"num_samples": 64, "kid_subset_size": 32, "kid_subsets": 5, "batch_size": 32},
 }
+STAGES = {"prepare", "featurenet", "train", "generate", "evaluate"}
 
 
 def sh(args: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
@@ -77,13 +85,17 @@ def clone(tmp_path) -> Path:
 
 def test_repro_then_nothing_to_do_then_experiment(clone):
     first = sh(["dvc", "repro"], clone)
-    for stage in ("prepare", "train", "generate"):
+    for stage in STAGES:
         assert f"Running stage '{stage}'" in first.stdout
     assert len(LmdbImageDataset(clone / "data/train.lmdb")) == 1617
     assert Image.open(clone / "samples/grid.png").size == (2 * 34 + 2, 2 * 34 + 2)
+    assert Image.open(clone / "samples/interpolation.png").size == (3 * 34 + 2, 2 * 34 + 2)
+    assert sorted(p.name for p in (clone / "samples/images").iterdir()) == [
+        f"{i:06d}.png" for i in range(4)
+    ]
     assert json.loads((clone / "metrics/train/metrics.json").read_text())["step"] == 128
     lock = yaml.safe_load((clone / "dvc.lock").read_text())
-    assert set(lock["stages"]) == {"prepare", "train", "generate"}
+    assert set(lock["stages"]) == STAGES
 
     again = sh(["dvc", "repro"], clone)
     assert "Running stage" not in again.stdout
@@ -94,13 +106,17 @@ def test_repro_then_nothing_to_do_then_experiment(clone):
     sh(["git", "commit", "-qm", "lock"], clone)
     sh(["dvc", "exp", "run", "-S", "data.image_size=16", "--name", "small"], clone)
     shown = json.loads(sh(["dvc", "exp", "show", "--json"], clone).stdout)
-    sizes = {}
+    sizes, scores = {}, {}
     for commit in shown:
         for exp in commit.get("experiments") or []:
             for revision in exp["revs"]:
                 params = revision["data"]["params"]["params.yaml"]["data"]
                 sizes[revision.get("name")] = params["data"]["image_size"]
+                metrics = revision["data"]["metrics"]
+                scores[revision.get("name")] = metrics["metrics/eval/metrics.json"]["data"]
     assert sizes.get("small") == 16, shown
+    assert {"fid", "kid", "precision", "recall"} <= scores["small"].keys()
+    assert all(isinstance(scores["small"][k], float) for k in ("fid", "kid", "recall"))
     assert Image.open(clone / "samples/grid.png").size == (2 * 18 + 2, 2 * 18 + 2)
 
 
@@ -137,15 +153,24 @@ def test_experiments_for_every_strategy_and_loss(clone):
         result = sh(["dvc", "exp", "run", "--name", name, *overrides], clone)
         assert "Running stage 'train'" in result.stdout
         assert "Running stage 'prepare'" not in result.stdout  # data unchanged: cached
+        assert "Running stage 'featurenet'" not in result.stdout  # same feature space
     shown = json.loads(sh(["dvc", "exp", "show", "--json"], clone).stdout)
     found = {}
     for commit in shown:
         for exp in commit.get("experiments") or []:
             for revision in exp["revs"]:
-                metrics = revision["data"]["metrics"]["metrics/train/metrics.json"]["data"]
-                found[revision.get("name")] = metrics["loss"]
+                metrics = revision["data"]["metrics"]
+                found[revision.get("name")] = {
+                    **metrics["metrics/train/metrics.json"]["data"]["loss"],
+                    "fid": metrics["metrics/eval/metrics.json"]["data"]["fid"],
+                }
     assert set(found) >= {name for name, _ in runs}
-    assert all(all(isinstance(v, float) for v in loss.values()) for loss in found.values())
+    assert all(all(isinstance(v, float) for v in row.values()) for row in found.values())
+    # d_first_retain and g_first_detach make the same G updates (README), so the second of
+    # them finds g_ema.pt unchanged and DVC reuses the evaluation; the others differ.
+    fids = {name: row["fid"] for name, row in found.items()}
+    assert fids["s-retain"] == fids["s-gfirst"]
+    assert len({fids[name] for name in ("s-retain", "l-hinge", "l-wgan", "l-r1")}) == 4
 
 
 def test_experiment_with_two_processes(clone):

@@ -280,7 +280,7 @@ def test_a_killed_rank_fails_the_stage_fast_and_writes_nothing(tmp_path, data_di
     assert proc.returncode != 0
     assert time.monotonic() - killed < 20 + 30
     assert "rank: 1" in err or "rank 1" in err, err[-3000:]
-    assert "distributed training failed" in err
+    assert "distributed train failed" in err
     assert not (root / "models").exists() or not list((root / "models").iterdir())
 
 

@@ -8,13 +8,10 @@ which readers refuse (no meta record) and the next run deletes.
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import logging
 import multiprocessing
 import os
 import shutil
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +25,7 @@ from tqdm import tqdm
 from ganpipe.data import convert
 from ganpipe.data.sources import Listing, list_source
 from ganpipe.data.store import FORMAT, FORMAT_VERSION, LmdbWriter
+from ganpipe.files import OLD_MARK, replace_dir
 from ganpipe.params import DataParams
 
 log = logging.getLogger(__name__)
@@ -36,7 +34,6 @@ SPLITS = ("train", "val")
 #: Below this many files the process pool costs more than it saves.
 PARALLEL_MIN_FILES = 512
 TMP_MARK = ".tmp-"
-OLD_MARK = ".old-"
 
 
 @dataclass
@@ -89,37 +86,10 @@ def _clear_leftovers(out_dir: Path) -> None:
                 shutil.rmtree(stale, ignore_errors=True)
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    renameat2 = getattr(libc, "renameat2", None)
-    if renameat2 is None or not sys.platform.startswith("linux"):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    if ctypes.get_errno() in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-        return False  # e.g. a filesystem without exchange support
-    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(a))
-
-
 def _swap_into_place(built: dict[str, Path], out_dir: Path) -> None:
-    """Move the finished databases to their final names, then delete the previous ones.
-
-    An existing database is exchanged with the new one in one atomic step, so its path never
-    goes missing; where exchange is unsupported it is renamed aside first.
-    """
+    """Move the finished databases to their final names (see :func:`files.replace_dir`)."""
     for split, tmp in built.items():
-        final = out_dir / f"{split}.lmdb"
-        if not final.exists():
-            tmp.rename(final)
-        elif _exchange(tmp, final):
-            shutil.rmtree(tmp)
-        else:
-            aside = out_dir / f".{split}.lmdb{OLD_MARK}{os.getpid()}"
-            final.rename(aside)
-            tmp.rename(final)
-            shutil.rmtree(aside)
+        replace_dir(tmp, out_dir / f"{split}.lmdb")
 
 
 def prepare_dataset(

@@ -1,0 +1,297 @@
+"""FID, KID and precision/recall of a generator against real images, in a chosen feature space.
+
+The feature extractor (the pipeline's own feature network, or the standard FID
+Inception-v3 read from a local file) is applied once per image. FID and KID are then
+computed by torchmetrics from those features: the metrics get an identity "network" that
+hands the features through (under DDP the features are gathered first and the metrics run
+on rank 0 alone, with torchmetrics' own syncing off). Precision/recall (Kynkäänniemi et
+al., 2019) use k-nearest-neighbour balls in the same space. Real-image features are cached
+by (dataset hash, extractor hash), so evaluating many runs extracts them once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+from torchmetrics.image.fid import FrechetInceptionDistance
+from torchmetrics.image.kid import KernelInceptionDistance
+from tqdm import tqdm
+
+from ganpipe import runtime
+from ganpipe.checkpoint import load, save_atomic
+from ganpipe.featurenet import from_record
+from ganpipe.sampling import sample_latents, to_uint8
+
+log = logging.getLogger(__name__)
+
+#: torch hub names weight files by the first 8 hex digits of their sha256.
+INCEPTION_SHA256_PREFIX = "6726825d"
+
+
+class ExtractorError(ValueError):
+    """The feature extractor's weights are missing, altered or of the wrong kind."""
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_featurenet(path: Path) -> nn.Module:
+    """The frozen feature network, after checking the file against its ``.sha256`` record."""
+    record_file = path.with_suffix(".sha256")
+    if not path.exists() or not record_file.exists():
+        raise ExtractorError(
+            f"{path} or {record_file} is missing; run `dvc repro featurenet` to train the "
+            "feature network"
+        )
+    expected = record_file.read_text().split()[0]
+    actual = file_sha256(path)
+    if actual != expected:
+        raise ExtractorError(
+            f"{path} has sha256 {actual} but {record_file} records {expected}: the weights "
+            "changed after training; run `dvc repro featurenet`"
+        )
+    return from_record(load(path), actual)
+
+
+class InceptionFeatures(nn.Module):
+    """The standard FID Inception-v3 pool features (2048) of [-1, 1] images (any channels).
+
+    Images are quantised to uint8 and grey images repeated to RGB, as FID implementations do
+    with image files; torchmetrics' Inception resizes them to 299 x 299.
+    """
+
+    def __init__(self, path: Path, digest: str):
+        super().__init__()
+        from torchmetrics.image.fid import NoTrainInceptionV3
+
+        self.net = NoTrainInceptionV3(
+            name="inception-v3-compat", features_list=["2048"], feature_extractor_weights_path=path
+        )
+        self.num_features = 2048
+        self.digest = digest
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        pixels = to_uint8(images)
+        if pixels.shape[1] == 1:
+            pixels = pixels.repeat(1, 3, 1, 1)
+        return self.net(pixels).reshape(len(images), -1)
+
+
+def load_inception(path: str | Path | None, expected_sha256: str | None) -> nn.Module:
+    """The FID Inception from a local weights file, hash checked before anything loads it."""
+    if path is None or not Path(path).is_file():
+        raise ExtractorError(
+            f"eval.inception_weights={path}: no such file. ganpipe never downloads weights: "
+            "copy weights-inception-2015-12-05-6726825d.pth (torch-fidelity's FID Inception) "
+            "to this machine and set eval.inception_weights to its path"
+        )
+    path = Path(path)
+    actual = file_sha256(path)
+    if expected_sha256 is not None and actual != expected_sha256:
+        raise ExtractorError(
+            f"eval.inception_weights={path} has sha256 {actual}, not "
+            f"eval.inception_sha256={expected_sha256}; use the right file or fix the hash"
+        )
+    if expected_sha256 is None and not actual.startswith(INCEPTION_SHA256_PREFIX):
+        raise ExtractorError(
+            f"eval.inception_weights={path} has sha256 {actual}, which is not the standard "
+            f"FID Inception (sha256 {INCEPTION_SHA256_PREFIX}...); use that file, or set "
+            "eval.inception_sha256 to this file's hash to accept it deliberately"
+        )
+    try:
+        load(path)  # weights only: a file carrying code is refused here, never run
+    except Exception as exc:
+        raise ExtractorError(f"eval.inception_weights={path} cannot be loaded: {exc}") from exc
+    return InceptionFeatures(path, actual)
+
+
+@torch.inference_mode()
+def features_of(
+    extractor: nn.Module,
+    batches: Iterable[torch.Tensor],
+    device: torch.device,
+    total: int | None = None,
+    desc: str = "features",
+    progress: bool = True,
+) -> torch.Tensor:
+    """Features (float64, CPU) of [-1, 1] image batches."""
+    extractor.to(device).eval()
+    out = []
+    with tqdm(total=total, desc=desc, unit="img", disable=not progress, mininterval=1.0) as bar:
+        for images in batches:
+            out.append(extractor(images.to(device)).double().cpu())
+            bar.update(len(images))
+    return torch.cat(out)
+
+
+def real_features(
+    extractor: nn.Module,
+    dataset: torch.utils.data.Dataset,
+    dataset_sha256: str,
+    batch_size: int,
+    device: torch.device,
+    cache_dir: Path | None,
+    progress: bool = True,
+) -> torch.Tensor:
+    """Features of every image of ``dataset``, cached by (dataset hash, extractor hash)."""
+    cache = None
+    if cache_dir is not None:
+        cache = cache_dir / f"{dataset_sha256[:16]}-{extractor.digest[:16]}.pt"
+        if cache.exists():
+            try:
+                cached = load(cache)
+                if cached["dataset"] == dataset_sha256 and cached["extractor"] == extractor.digest:
+                    log.info("real features from cache %s", cache)
+                    return cached["features"]
+            except Exception as exc:  # a damaged cache is rebuilt, never trusted
+                log.warning("ignoring unreadable feature cache %s (%s)", cache, exc)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size)
+    feats = features_of(
+        extractor,
+        (images for images, _ in loader),
+        device,
+        len(dataset),
+        "real features",
+        progress,
+    )
+    if cache is not None:
+        save_atomic(
+            {"dataset": dataset_sha256, "extractor": extractor.digest, "features": feats}, cache
+        )
+    return feats
+
+
+@torch.inference_mode()
+def generated_features(
+    generator: nn.Module,
+    extractor: nn.Module,
+    seed: int,
+    indices: range,
+    z_dim: int,
+    batch_size: int,
+    device: torch.device,
+    progress: bool = True,
+) -> torch.Tensor:
+    """Features of generated samples ``indices`` (generator in eval mode)."""
+    generator.to(device).eval()
+
+    def batches():
+        for start in range(indices.start, indices.stop, batch_size):
+            chunk = range(start, min(start + batch_size, indices.stop))
+            yield generator(sample_latents(seed, chunk, z_dim).to(device)).clamp(-1, 1)
+
+    return features_of(extractor, batches(), device, len(indices), "generated features", progress)
+
+
+class Features(nn.Module):
+    """An identity "feature network" for torchmetrics: the inputs already are features."""
+
+    def __init__(self, num_features: int):
+        super().__init__()
+        self.num_features = num_features
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return features
+
+
+def fid(real: torch.Tensor, fake: torch.Tensor) -> float:
+    """Fréchet distance between Gaussians fitted to the two feature sets (torchmetrics)."""
+    metric = FrechetInceptionDistance(
+        feature=Features(real.shape[1]), reset_real_features=False, sync_on_compute=False
+    )
+    metric.update(real, real=True)
+    metric.update(fake, real=False)
+    return float(metric.compute())
+
+
+def kid(
+    real: torch.Tensor, fake: torch.Tensor, subsets: int, subset_size: int, seed: int
+) -> tuple[float, float]:
+    """Kernel inception distance, mean and std over random subsets (torchmetrics).
+
+    torchmetrics draws the subsets from the global RNG; it is seeded here, so the value is a
+    function of the inputs and ``seed``.
+    """
+    with warnings.catch_warnings():  # "will save all extracted features": that is the point
+        warnings.filterwarnings("ignore", message=".*save all extracted features")
+        metric = KernelInceptionDistance(
+            feature=Features(real.shape[1]),
+            subsets=subsets,
+            subset_size=subset_size,
+            sync_on_compute=False,
+        )
+    metric.update(real, real=True)
+    metric.update(fake, real=False)
+    state = torch.get_rng_state()
+    torch.manual_seed(runtime.derive_seed(seed, "kid-subsets"))
+    try:
+        mean, std = metric.compute()
+    finally:
+        torch.set_rng_state(state)
+    return float(mean), float(std)
+
+
+def _kth_neighbour_radii(points: torch.Tensor, k: int, chunk: int = 1024) -> torch.Tensor:
+    """Distance from each point to its k-th nearest other point of the same set."""
+    radii = []
+    for start in range(0, len(points), chunk):
+        d = torch.cdist(points[start : start + chunk], points)
+        radii.append(d.kthvalue(k + 1, dim=1).values)  # k + 1: the point itself is at 0
+    return torch.cat(radii)
+
+
+def _coverage(reference: torch.Tensor, radii: torch.Tensor, queries: torch.Tensor) -> float:
+    """Share of ``queries`` inside at least one ball (reference point, radius)."""
+    inside = 0
+    for start in range(0, len(queries), 1024):
+        d = torch.cdist(queries[start : start + 1024], reference)
+        inside += (d <= radii.unsqueeze(0)).any(dim=1).sum().item()
+    return inside / len(queries)
+
+
+def precision_recall(real: torch.Tensor, fake: torch.Tensor, k: int) -> tuple[float, float]:
+    """Improved precision and recall (Kynkäänniemi et al., 2019).
+
+    Precision: share of generated samples within the k-NN ball of some real sample (are the
+    samples realistic?). Recall: share of real samples within the k-NN ball of some
+    generated sample (is the real variety covered?).
+    """
+    precision = _coverage(real, _kth_neighbour_radii(real, k), fake)
+    recall = _coverage(fake, _kth_neighbour_radii(fake, k), real)
+    return precision, recall
+
+
+def all_metrics(
+    real: torch.Tensor,
+    fake: torch.Tensor,
+    kid_subsets: int,
+    kid_subset_size: int,
+    pr_k: int,
+    seed: int,
+) -> dict[str, float]:
+    """``fid``, ``kid``, ``kid_std``, ``precision``, ``recall`` of two feature sets."""
+    if kid_subset_size > min(len(real), len(fake)):
+        raise ValueError(
+            f"eval.kid_subset_size={kid_subset_size} is more than the {len(real)} real and "
+            f"{len(fake)} generated images; lower it (or use a larger val split)"
+        )
+    kid_mean, kid_std = kid(real, fake, kid_subsets, kid_subset_size, seed)
+    precision, recall = precision_recall(real, fake, pr_k)
+    return {
+        "fid": fid(real, fake),
+        "kid": kid_mean,
+        "kid_std": kid_std,
+        "precision": precision,
+        "recall": recall,
+    }

@@ -1,0 +1,65 @@
+"""Launching a stage as several processes through torchrun (``python -m torch.distributed.run``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+from ganpipe import runtime
+from ganpipe.params import Params
+
+log = logging.getLogger("stages.launch")
+
+
+def launch(params: Params, module: str) -> int:
+    """Run stage ``module`` again under torchrun, one process per device; return its exit code.
+
+    The workers' environment is fixed here, before any of them imports torch:
+    ``CUDA_VISIBLE_DEVICES`` (devices.gpus), ``OMP_NUM_THREADS`` (devices.cpu_threads) and
+    ``CUBLAS_WORKSPACE_CONFIG``. One node uses ``--standalone``; several use the c10d
+    rendezvous at devices.rdzv_endpoint. ``--max-restarts 0``: a failed rank fails the run.
+    """
+    devices = params.devices
+    env = {**os.environ, "OMP_NUM_THREADS": str(devices.cpu_threads)}
+    if runtime.wants_cuda(devices):
+        runtime.check_gpus(devices)
+        if isinstance(devices.gpus, list):
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices.gpus))
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={devices.nproc_per_node}",
+        "--max-restarts=0",
+    ]
+    if devices.nnodes == 1:
+        command.append("--standalone")
+    else:
+        command += [
+            f"--nnodes={devices.nnodes}",
+            f"--node-rank={devices.node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={devices.rdzv_endpoint}",
+            f"--rdzv-id=ganpipe-{module.rsplit('.', 1)[-1]}",
+            f"--rdzv-conf=timeout={devices.timeout_s}",
+        ]
+    command += ["-m", module, *sys.argv[1:]]
+    log.info(
+        "launching %d x %d processes: %s", devices.nnodes, devices.nproc_per_node, " ".join(command)
+    )
+    proc = subprocess.Popen(command, env=env)
+    # Pass SIGTERM / SIGINT on to torchrun, which passes them to the workers (training saves
+    # a checkpoint and stops).
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda signum, frame: proc.send_signal(signum))
+    code = proc.wait()
+    if code != 0:
+        print(
+            f"error: distributed {module.rsplit('.', 1)[-1]} failed (torchrun exit status "
+            f"{code}); the failed rank and its error are reported above",
+            file=sys.stderr,
+        )
+    return code

@@ -1,0 +1,110 @@
+"""evaluate: FID, KID and precision/recall of the EMA generator against the real val split.
+
+Inputs: params ``seed``, ``devices``, ``determinism``, ``eval``; ``models/g_ema.pt``,
+``data/val.lmdb``, and ``models/featurenet.pt`` (or the local Inception weights file of
+``eval.inception_weights``).
+Outputs: ``metrics/eval/metrics.json`` (``fid``, ``kid``, ``kid_std``, ``precision``,
+``recall`` and what they were computed from; written atomically). Real-image features
+are cached in ``.state/feature-cache/``.
+Command: ``python -m stages.evaluate`` (with ``devices.nproc_per_node > 1`` it runs under
+torchrun and each process generates its share of the samples).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ganpipe import dist, evaluation, runtime
+from ganpipe.checkpoint import write_bytes_atomic
+from ganpipe.data.dataset import LmdbImageDataset
+from ganpipe.params import Params
+from stages import _cli
+from stages._launch import launch
+from stages.generate import load_generator
+
+log = logging.getLogger("stages.evaluate")
+OUT = Path("metrics/eval/metrics.json")
+CACHE = Path(".state/feature-cache")
+
+
+def extractor_for(params: Params) -> torch.nn.Module:
+    cfg = params.eval
+    if cfg.feature_extractor == "inception":
+        return evaluation.load_inception(cfg.inception_weights, cfg.inception_sha256)
+    return evaluation.load_featurenet(Path("models/featurenet.pt"))
+
+
+def main(params: Params) -> None:
+    devices, cfg = params.devices, params.eval
+    if devices.world_size > 1 and "LOCAL_RANK" not in os.environ:
+        sys.exit(launch(params, "stages.evaluate"))
+    rank = int(os.environ.get("RANK", 0))
+    runtime.configure_runtime(params.seed, devices, params.determinism, rank)
+    context = dist.setup(
+        devices,
+        rank,
+        int(os.environ.get("LOCAL_RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+        runtime.resolve_device(devices),
+    )
+    try:
+        began = time.perf_counter()
+        extractor = extractor_for(params)
+        g, model = load_generator(Path("models/g_ema.pt"))
+        n, world = cfg.num_samples, context.world_size
+        mine = range(context.rank * n // world, (context.rank + 1) * n // world)
+        fake = evaluation.generated_features(
+            g,
+            extractor,
+            cfg.seed,
+            mine,
+            model.z_dim,
+            cfg.batch_size,
+            context.device,
+            progress=context.is_main,
+        )
+        shards = context.gather_objects(fake)
+        if context.is_main:
+            val = LmdbImageDataset("data/val.lmdb")
+            real = evaluation.real_features(
+                extractor,
+                val,
+                val.meta["content_sha256"],
+                cfg.batch_size,
+                context.device,
+                CACHE,
+            )
+            metrics = evaluation.all_metrics(
+                real, torch.cat(shards), cfg.kid_subsets, cfg.kid_subset_size, cfg.pr_k, cfg.seed
+            )
+            log.info(
+                "fid %.4f  kid %.5f ± %.5f  precision %.4f  recall %.4f (%.1f s)",
+                metrics["fid"],
+                metrics["kid"],
+                metrics["kid_std"],
+                metrics["precision"],
+                metrics["recall"],
+                time.perf_counter() - began,
+            )
+            record = {
+                **metrics,
+                "num_real": len(real),
+                "num_generated": cfg.num_samples,
+                "extractor": cfg.feature_extractor,
+                "extractor_sha256": extractor.digest,
+            }
+            write_bytes_atomic((json.dumps(record, indent=2) + "\n").encode(), OUT)
+        context.barrier()
+    finally:
+        dist.teardown(context)
+
+
+if __name__ == "__main__":
+    _cli.run(main, __doc__)

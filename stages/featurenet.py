@@ -1,0 +1,54 @@
+"""featurenet: train the feature network of the evaluation metrics on the real data.
+
+Inputs: params ``seed``, ``devices``, ``determinism``, ``featurenet``; ``data/train.lmdb``,
+``data/val.lmdb``.
+Outputs: ``models/featurenet.pt`` (frozen weights), ``models/featurenet.sha256`` (their
+hash, ``sha256sum`` format), ``metrics/featurenet.json`` (held-out accuracy). All written
+atomically.
+Command: ``python -m stages.featurenet``
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from ganpipe import runtime
+from ganpipe.checkpoint import torch_bytes, write_bytes_atomic
+from ganpipe.data.dataset import LmdbImageDataset
+from ganpipe.featurenet import record, train_featurenet
+from ganpipe.params import Params
+from stages import _cli
+
+WEIGHTS = Path("models/featurenet.pt")
+METRICS = Path("metrics/featurenet.json")
+
+
+def main(params: Params) -> None:
+    runtime.configure_runtime(params.seed, params.devices, params.determinism)
+    device = runtime.resolve_device(params.devices)
+    train_set = LmdbImageDataset("data/train.lmdb")
+    val_set = LmdbImageDataset("data/val.lmdb")
+    meta = train_set.meta
+    shape = tuple(meta["shape"])
+    classes = sum(1 for count in meta["class_counts"] if count > 0)
+    result = train_featurenet(
+        params.featurenet, params.seed, train_set, val_set, classes, shape, device
+    )
+    data = torch_bytes(record(result, params.featurenet, shape))
+    digest = hashlib.sha256(data).hexdigest()
+    write_bytes_atomic(data, WEIGHTS)
+    write_bytes_atomic(f"{digest}  {WEIGHTS.name}\n".encode(), WEIGHTS.with_suffix(".sha256"))
+    metrics = {
+        "task": result.task,
+        "classes": result.num_classes,
+        "features": result.net.num_features,
+        "val_accuracy": result.val_accuracy,
+        "train_accuracy": result.train_accuracy,
+    }
+    write_bytes_atomic((json.dumps(metrics, indent=2) + "\n").encode(), METRICS)
+
+
+if __name__ == "__main__":
+    _cli.run(main, __doc__)
