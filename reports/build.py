@@ -69,6 +69,13 @@ def render_plots(repo: Path, template: Path, out: Path) -> Path:
     return page
 
 
+def is_plots_page(folder: Path) -> bool:
+    """Whether ``folder`` looks like this module's output (so replacing it loses nothing)."""
+    return (folder / "index.html").is_file() and all(
+        (folder / "vendor" / name).is_file() for name in BUNDLES
+    )
+
+
 def replace_folder(new: Path, old: Path, trash: Path) -> None:
     """Put ``new`` where ``old`` is; the previous ``old`` goes to ``trash`` (same disk).
 
@@ -94,10 +101,16 @@ def build_report(
     """Build the plots page of ``repo`` into ``out`` (relative to ``repo``); return its path.
 
     Raises:
-        ReportError: the bundles are missing, or DVC wrote no page or missed plots.
+        ReportError: the bundles are missing, ``out`` holds something else than an earlier
+            page, or DVC wrote no page or missed plots.
     """
     bundles = find_bundles(node_modules)
     out = (repo / out).resolve()
+    if out.exists() and any(out.iterdir()) and not is_plots_page(out):
+        raise ReportError(
+            f"refusing to replace {out}: it is not a plots page built by reports.build "
+            "(no index.html and vendor/); choose a new or empty folder"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
         staging = Path(tmp) / "new"

@@ -207,6 +207,9 @@ def test_failed_build_keeps_the_previous_page(project, tmp_path):
         build_report(project, template=bad_template)
     with pytest.raises(ReportError, match="make setup"):
         build_report(project, node_modules=tmp_path / "node_modules")
+    with pytest.raises(ReportError, match="refusing to replace"):
+        build_report(project, out=Path("samples"))  # a folder that is not a plots page
+    assert (project / "samples/grid.png").is_file()
 
     assert page_file.read_bytes() == before
     assert sorted(p.name for p in (project / "reports").iterdir() if p.name.startswith(".")) == []
