@@ -1,0 +1,1 @@
+"""The offline plots page: ``python -m reports.build`` (see build.py)."""

@@ -1,0 +1,144 @@
+"""report: the training curves, progress grids and samples in one HTML page that works offline.
+
+Inputs: the plots of dvc.yaml as the last `dvc repro` left them (``metrics/train/plots/``,
+``samples/grid.png``); ``reports/template.html``; the vega, vega-lite and vega-embed bundles
+in ``reports/node_modules`` (``npm ci`` from ``reports/package-lock.json``, run by
+``make setup``).
+Outputs: ``reports/plots/``: ``index.html``, ``static/`` (the images, copied by DVC) and
+``vendor/`` (the three bundles), so the folder opens offline from anywhere. It is built in a
+temporary folder beside it and swapped in whole: a failure never leaves a half page.
+Command: ``python -m reports.build`` (``make report``; ``make repro`` ends with it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TEMPLATE = HERE / "template.html"
+NODE_MODULES = HERE / "node_modules"
+OUT = Path("reports/plots")
+
+#: File name under the page's ``vendor/`` -> its path in node_modules, in loading order
+#: (vega-lite and vega-embed expect the globals of the ones before them).
+BUNDLES = {
+    "vega.min.js": "vega/build/vega.min.js",
+    "vega-lite.min.js": "vega-lite/build/vega-lite.min.js",
+    "vega-embed.min.js": "vega-embed/build/vega-embed.min.js",
+}
+
+
+class ReportError(Exception):
+    """A report that cannot be built, with the reason and the fix."""
+
+
+def find_bundles(node_modules: Path) -> dict[str, Path]:
+    """The three bundles' paths, or a ReportError naming the first missing one."""
+    bundles = {name: node_modules / relative for name, relative in BUNDLES.items()}
+    for path in bundles.values():
+        if not path.is_file():
+            raise ReportError(
+                f"{path} is missing: install the vega bundles with `make setup` "
+                "(it runs `npm ci` in reports/)"
+            )
+    return bundles
+
+
+def render_plots(repo: Path, template: Path, out: Path) -> Path:
+    """Run ``dvc plots show`` in ``repo`` with ``template``; return the written page."""
+    result = subprocess.run(
+        [sys.executable, "-m", "dvc", "plots", "show", "--html-template", template, "-o", out],
+        cwd=repo,
+        env={**os.environ, "DVC_NO_ANALYTICS": "1"},
+        capture_output=True,
+        text=True,
+    )
+    output = (result.stdout + result.stderr).strip()
+    page = out / "index.html"
+    if result.returncode != 0 or not page.is_file():
+        raise ReportError(f"`dvc plots show` wrote no page (run `dvc repro` first?):\n{output}")
+    if "failed to load" in output:
+        # DVC still writes the page, without the plots it could not read.
+        raise ReportError(f"`dvc plots show` could not read every plot:\n{output}")
+    return page
+
+
+def is_plots_page(folder: Path) -> bool:
+    """Whether ``folder`` looks like this module's output (so replacing it loses nothing)."""
+    return (folder / "index.html").is_file() and all(
+        (folder / "vendor" / name).is_file() for name in BUNDLES
+    )
+
+
+def replace_folder(new: Path, old: Path, trash: Path) -> None:
+    """Put ``new`` where ``old`` is; the previous ``old`` goes to ``trash`` (same disk).
+
+    Two renames: at every moment ``old`` is either the complete previous folder, absent,
+    or the complete new one.
+    """
+    if old.exists():
+        old.rename(trash)
+    try:
+        new.rename(old)
+    except OSError:
+        if trash.exists():
+            trash.rename(old)
+        raise
+
+
+def build_report(
+    repo: Path = Path("."),
+    out: Path = OUT,
+    node_modules: Path = NODE_MODULES,
+    template: Path = TEMPLATE,
+) -> Path:
+    """Build the plots page of ``repo`` into ``out`` (relative to ``repo``); return its path.
+
+    Raises:
+        ReportError: the bundles are missing, ``out`` holds something else than an earlier
+            page, or DVC wrote no page or missed plots.
+    """
+    bundles = find_bundles(node_modules)
+    out = (repo / out).resolve()
+    if out.exists() and any(out.iterdir()) and not is_plots_page(out):
+        raise ReportError(
+            f"refusing to replace {out}: it is not a plots page built by reports.build "
+            "(no index.html and vendor/); choose a new or empty folder"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
+        staging = Path(tmp) / "new"
+        render_plots(repo, template.resolve(), staging)
+        (staging / "vendor").mkdir()
+        for name, path in bundles.items():
+            shutil.copyfile(path, staging / "vendor" / name)
+        replace_folder(staging, out, Path(tmp) / "old")
+    return out / "index.html"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=OUT, help=f"output folder (default: {OUT})")
+    parser.add_argument(
+        "--node-modules",
+        type=Path,
+        default=NODE_MODULES,
+        help="where `npm ci` put the vega bundles (default: reports/node_modules)",
+    )
+    args = parser.parse_args()
+    try:
+        page = build_report(out=args.out, node_modules=args.node_modules)
+    except ReportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    print(f"plots page: {page.as_uri()}")
+
+
+if __name__ == "__main__":
+    main()
