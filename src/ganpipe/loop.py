@@ -347,6 +347,8 @@ def train(
                 count = (done - last_log) * context.world_size
                 means = {k: v / count for k, v in zip(keys, totals, strict=False)}
                 means["perf/images_per_s"] = (done - last_log) * per_iteration / (now - since)
+                means["perf/step_ms"] = 1000 * (now - since) / (done - last_log)
+                means["perf/peak_memory_mb"] = runtime.peak_memory_mb(device)
                 means["kimg"] = images_seen / 1000
                 means["lr/g"] = gan.opt_g.param_groups[0]["lr"]
                 means["lr/d"] = gan.opt_d.param_groups[0]["lr"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import random
+import resource
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -147,3 +148,11 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process so far, in MiB: allocated CUDA memory on a GPU, resident
+    set size (``ru_maxrss``, everything the process touched) on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
