@@ -203,7 +203,7 @@ def pipeline(
         overrides: params to change for this run, ``{"train.strategy": "g_first_detach"}``;
             validated by the params schema before anything runs. Given overrides make the
             run a DVC experiment; like ``dvc exp run``, its params and outputs stay in the
-            workspace afterwards.
+            workspace afterwards (params.yaml is restored if a stage fails).
         exp_name: Name of the DVC experiment (default: the flow run's name when overrides
             are given; no experiment otherwise).
         project_dir: The DVC project (default: the one holding this file).
@@ -220,16 +220,28 @@ def pipeline(
     log.info("stages: %s; experiment: %s", ", ".join(stages), exp_name or "none (dvc repro)")
     retry = {"retries": stage_retries, "retry_delay_seconds": retry_delay_s}
     done: dict[str, str] = {}
+    params_file = Path(project) / "params.yaml"
     with workspace.workspace_lock(Path(project), lock_timeout_s, log.info):
-        if valid:
-            # Another run may have changed params.yaml while this one waited; check again.
-            set_params(project, workspace.validate_overrides(Path(project), valid))
-        for stage in stages:
-            done[stage] = run_stage.with_options(task_run_name=f"stage {stage}", **retry)(
-                project, stage
-            )
-        if exp_name:
-            save_experiment.with_options(**retry)(project, exp_name)
+        before = params_file.read_text(encoding="utf-8")
+        try:
+            if valid:
+                # Another run may have changed params.yaml while this one waited: check again.
+                set_params(project, workspace.validate_overrides(Path(project), valid))
+            for stage in stages:
+                done[stage] = run_stage.with_options(task_run_name=f"stage {stage}", **retry)(
+                    project, stage
+                )
+            if exp_name:
+                save_experiment.with_options(task_run_name="save experiment", **retry)(
+                    project, exp_name
+                )
+        except BaseException:
+            if valid:
+                # Leave the workspace's params as they were, so the next (scheduled) run
+                # does not inherit this run's failing overrides.
+                workspace.write_atomic(params_file, before)
+                log.warning("params.yaml restored to its content before this run")
+            raise
         return publish_run(project, done, valid, exp_name)
 
 

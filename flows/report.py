@@ -123,7 +123,7 @@ def group_runs(
 def _fmt(value: float | None, digits: int = 4) -> str:
     if value is None:
         return "—"
-    return f"{value:,.{digits}g}" if abs(value) < 1e5 else f"{value:,.0f}"
+    return f"{value:,.{digits}g}" if abs(value) < 1000 else f"{value:,.0f}"
 
 
 def _range(values: list[float]) -> str:
@@ -151,7 +151,7 @@ def verdict(groups: Sequence[Group], metric: str, higher_is_better: bool) -> str
         lo_s, hi_s = min(second.values("metric")), max(second.values("metric"))
         overlap = lo_b <= hi_s and lo_s <= hi_b
         if len(best.values("metric")) < 2 or len(second.values("metric")) < 2:
-            text += " One run per setting: the seed-to-seed spread is unknown."
+            text += " One of them has a single run: the seed-to-seed spread is unknown."
         elif overlap:
             text += (
                 " Their per-seed ranges overlap: the difference is within seed noise; run "
@@ -259,7 +259,8 @@ def draw_plot(
     for p, (attr, title) in enumerate(panels):
         y0 = p * panel_h
         values = [v for g in groups for v in g.values(attr)]
-        draw.text((10, y0 + 8), title, fill="black", font=font)
+        caption = f"{title}   (dots: runs, bar: mean)" if p == 0 else title
+        draw.text((10, y0 + 8), caption, fill="black", font=font)
         if not values:
             draw.text((label_w, y0 + top), "no values", fill="gray", font=font)
             continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import io
 import json
 import logging
 import os
@@ -296,6 +297,10 @@ def write_overrides(project: Path, overrides: Mapping[str, Any]) -> None:
     rt = YAML()
     rt.preserve_quotes = True
     rt.width = 4096
+    # ruamel writes None as an empty value; params.yaml spells it null.
+    rt.representer.add_representer(
+        type(None), lambda rep, _: rep.represent_scalar("tag:yaml.org,2002:null", "null")
+    )
     path = project / "params.yaml"
     data = rt.load(path.read_text(encoding="utf-8"))
     for key, value in overrides.items():
@@ -307,9 +312,15 @@ def write_overrides(project: Path, overrides: Mapping[str, Any]) -> None:
             value = CommentedSeq(value)
             value.fa.set_flow_style()
         node[leaf] = value
+    text = io.StringIO()
+    rt.dump(data, text)
+    write_atomic(path, text.getvalue())
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` by ``text`` in one rename: readers see the old or the new file."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        rt.dump(data, handle)
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +21,56 @@ def stage_env() -> dict[str, str]:
         "PYTHONPATH": str(REPO),
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     }
+
+
+def sh(args: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command (dvc, git) with the venv's tools first and a git identity."""
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "DVC_NO_ANALYTICS": "1",
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
+    result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"{args} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+        )
+    return result
+
+
+def clone_working_tree(root: Path, params_update: dict) -> Path:
+    """The working tree's tracked and unignored files, committed in a fresh repository.
+
+    ``params_update`` changes params.yaml section by section (a dict updates the section,
+    anything else replaces the key); dvc.lock is left out, so nothing counts as built.
+    """
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for name in filter(None, files):
+        source = REPO / os.fsdecode(name)
+        if source.is_file():
+            (root / os.fsdecode(name)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, root / os.fsdecode(name))
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    for section, values in params_update.items():
+        if isinstance(values, dict):
+            params[section].update(values)
+        else:
+            params[section] = values
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (root / "dvc.lock").unlink(missing_ok=True)
+    sh(["git", "init", "-q", "-b", "main"], root)
+    sh(["git", "add", "-A"], root)
+    sh(["git", "commit", "-qm", "tiny"], root)
+    return root
 
 
 def write_project(root: Path, base: dict, data_dir: Path | None = None, **sections) -> Path:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ import yaml
 from PIL import Image
 
 from ganpipe.data.dataset import LmdbImageDataset
-from tests.conftest import REPO
+from tests.helpers import clone_working_tree, sh
 
 pytestmark = pytest.mark.slow
 
@@ -28,51 +27,10 @@ TINY = {
 }
 
 
-def sh(args: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-        "DVC_NO_ANALYTICS": "1",
-        "GIT_AUTHOR_NAME": "t",
-        "GIT_AUTHOR_EMAIL": "t@t",
-        "GIT_COMMITTER_NAME": "t",
-        "GIT_COMMITTER_EMAIL": "t@t",
-    }
-    result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True)
-    if check and result.returncode != 0:
-        raise AssertionError(
-            f"{args} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
-        )
-    return result
-
-
 @pytest.fixture
 def clone(tmp_path) -> Path:
     """The working tree's tracked and unignored files, committed in a fresh repository."""
-    files = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-        cwd=REPO,
-        capture_output=True,
-        check=True,
-    ).stdout.split(b"\0")
-    root = tmp_path / "clone"
-    for name in filter(None, files):
-        source = REPO / os.fsdecode(name)
-        if source.is_file():
-            (root / os.fsdecode(name)).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, root / os.fsdecode(name))
-    params = yaml.safe_load((root / "params.yaml").read_text())
-    for section, values in TINY.items():
-        if isinstance(values, dict):
-            params[section].update(values)
-        else:
-            params[section] = values
-    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    (root / "dvc.lock").unlink(missing_ok=True)
-    sh(["git", "init", "-q", "-b", "main"], root)
-    sh(["git", "add", "-A"], root)
-    sh(["git", "commit", "-qm", "tiny"], root)
-    return root
+    return clone_working_tree(tmp_path / "clone", TINY)
 
 
 def test_repro_then_nothing_to_do_then_experiment(clone):
