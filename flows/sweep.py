@@ -47,6 +47,8 @@ DEFAULT_BASE: dict[str, Any] = {"train.kimg": 20}
 #: Grid keys that repeat a setting rather than define one; the summary averages over them.
 REPEAT_KEYS = ("seed",)
 FINISHED = ("success", "failed")
+#: Consecutive failed polls of `dvc exp show` tolerated while the queue runs.
+MAX_POLL_ERRORS = 5
 
 
 def plan_runs(
@@ -119,9 +121,23 @@ def wait_for(
     """
     log = run_logger()
     deadline = time.monotonic() + timeout_s
-    last = ""
+    last, misses = "", 0
     while True:
-        found = workspace.experiments(workspace.dvc_json(["exp", "show", "--json"], Path(project)))
+        try:
+            shown = workspace.dvc_json(["exp", "show", "--json"], Path(project))
+        except workspace.DvcCommandError as exc:
+            # `dvc exp show` can trip over a queue worker's run files appearing or
+            # vanishing ("No such file or directory: .dvc/tmp/exps/run/..."): ask again.
+            misses += 1
+            if misses > MAX_POLL_ERRORS:
+                raise
+            log.warning(
+                "dvc exp show failed (%d/%d), asking again: %s", misses, MAX_POLL_ERRORS, exc
+            )
+            time.sleep(poll_s)
+            continue
+        misses = 0
+        found = workspace.experiments(shown)
         states = {name: (found.get(name) or {}).get("state", "missing") for name in names}
         counts = {s: sum(v == s for v in states.values()) for s in sorted(set(states.values()))}
         summary = ", ".join(f"{n} {s}" for s, n in counts.items())
