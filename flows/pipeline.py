@@ -254,10 +254,13 @@ def _parse_set(text: str) -> tuple[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run the ganpipe pipeline flow once.")
-    parser.add_argument("--set", dest="sets", action="append", type=_parse_set, default=[])
+    parser.add_argument(
+        "--set", dest="sets", action="append", type=_parse_set, default=[], help="key=value"
+    )
     parser.add_argument("--name", dest="exp_name", default=None, help="DVC experiment name")
+    parser.add_argument("--project-dir", default=None, help="default: this checkout")
     args = parser.parse_args()
-    pipeline(overrides=dict(args.sets), exp_name=args.exp_name)
+    pipeline(overrides=dict(args.sets), exp_name=args.exp_name, project_dir=args.project_dir)
 
 
 if __name__ == "__main__":

@@ -189,7 +189,8 @@ def render_markdown(
         cells += [_fmt(group.mean("metric")), _range(group.values("metric"))]
         cells += [_fmt(group.mean(k)) for k in perf_cols]
         cells += [f"{ok}/{len(group.runs)}"]
-        lines.append(f"| {i} | " + " | ".join(cells) + " |")
+        rank = str(i) if group.values("metric") else "—"
+        lines.append(f"| {rank} | " + " | ".join(cells) + " |")
     lines += ["", verdict(groups, metric, higher_is_better), ""]
     if plot_name:
         lines += [f"![{metric} and step cost per setting]({plot_name})", ""]
@@ -201,7 +202,8 @@ def render_markdown(
     for i, run in enumerate(rank_runs(runs, higher_is_better), 1):
         cells = [f"`{run.name}`", *(str(run.settings.get(k, "")) for k in keys)]
         cells += [_fmt(run.metric), *(_fmt(run.perf.get(k)) for k in perf_cols), run.state]
-        lines.append(f"| {i} | " + " | ".join(cells) + " |")
+        rank = str(i) if run.metric is not None else "—"
+        lines.append(f"| {rank} | " + " | ".join(cells) + " |")
 
     notes = notes_for(runs, metric)
     if notes:

@@ -100,7 +100,12 @@ def queue_experiment(project: str, name: str, overrides: dict[str, Any]) -> str:
     return name
 
 
-@task(retries=3, retry_delay_seconds=10, retry_condition_fn=retry_only_transient)
+@task(
+    task_run_name="start queue workers",
+    retries=3,
+    retry_delay_seconds=10,
+    retry_condition_fn=retry_only_transient,
+)
 def start_workers(project: str, jobs: int) -> None:
     """``dvc queue start -j JOBS``; the workers exit when the queue is empty."""
     args = ["queue", "start", "-j", str(jobs)]
@@ -299,6 +304,7 @@ def main() -> None:
     parser.add_argument("--name", dest="sweep_name", default=None)
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--report", dest="report_path", default="reports/sweep.md")
+    parser.add_argument("--project-dir", default=None, help="default: this checkout")
     args = parser.parse_args()
     sweep(**vars(args))
 

@@ -293,6 +293,7 @@ def test_report_says_when_the_metric_is_missing_instead_of_failing():
     text = report.render_markdown("T", runs, ["train.strategy"], "fid_typo", False, {}, None)
     assert "No finished run has the metric `fid_typo`" in text
     assert "nothing is ranked" in text
+    assert "| — | `s-a-0` | a | 0 | — | 1,000 | success |" in text
 
 
 def test_report_shows_step_time_and_memory_and_failures():
