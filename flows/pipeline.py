@@ -35,6 +35,8 @@ from flows import workspace
 from flows.workspace import DvcCommandError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp")
+#: DVC experiment names are git ref names; this is a safe subset of them.
+EXP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(?<![.])(?<!\.lock)")
 
 
 def run_logger() -> logging.Logger | logging.LoggerAdapter:
@@ -63,6 +65,11 @@ def check_overrides(
     key, or the experiment name that is taken.
     """
     valid = workspace.validate_overrides(Path(project), overrides)
+    if exp_name and (not EXP_NAME.fullmatch(exp_name) or ".." in exp_name):
+        raise ValueError(
+            f"exp_name={exp_name!r} is not a valid experiment name; use letters, digits, "
+            "'-', '_' and '.', starting with a letter or digit (it becomes a git ref)"
+        )
     if exp_name:
         listed = workspace.run_dvc(["exp", "list", "--name-only"], Path(project), lambda _: None)
         if exp_name in listed.split():

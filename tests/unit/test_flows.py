@@ -109,6 +109,12 @@ def test_overrides_are_validated_and_normalised(project):
     assert check_overrides.fn(str(project), None, None) == {}
 
 
+@pytest.mark.parametrize("name", ["my run", "-x", "a..b", "x.lock", "dot.", "a/b"])
+def test_a_bad_experiment_name_is_refused_before_any_stage(project, name):
+    with pytest.raises(ValueError, match="is not a valid experiment name"):
+        check_overrides.fn(str(project), {}, name)
+
+
 def test_a_typo_in_an_override_names_the_key_and_the_fix(project):
     with pytest.raises(ParamsError) as info:
         workspace.validate_overrides(project, {"train.batch_sise": 8, "precision": "fp8"})
