@@ -42,7 +42,7 @@ DEFAULT_GRID: dict[str, list[Any]] = {
     "precision": ["fp32", "bf16"],
     "seed": [0, 1],
 }
-#: Shared by every run of the default sweep: short training, so 12 runs fit in an hour.
+#: Shared by every run of the default sweep: short training (20k images per run).
 DEFAULT_BASE: dict[str, Any] = {"train.kimg": 20}
 #: Grid keys that repeat a setting rather than define one; the summary averages over them.
 REPEAT_KEYS = ("seed",)
