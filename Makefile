@@ -12,7 +12,13 @@ export DVC_NO_ANALYTICS := 1
 export PREFECT_HOME := $(CURDIR)/.state/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: setup repro report test test-fast lint format bench clean
+# `make serve`: a local Prefect server on 127.0.0.1:$(PREFECT_PORT) and the served deployments,
+# in the background (logs and pids under .state/); `make stop` stops both. SERVE_ARGS go to
+# `python -m flows.serve`, e.g. SERVE_ARGS="--pipeline 60 --sweep off".
+PREFECT_PORT ?= 4200
+SERVE_ARGS ?=
+
+.PHONY: setup repro report test test-fast lint format bench clean serve stop flow-runs
 
 setup: $(STAMP) $(NPM_STAMP)
 
@@ -50,5 +56,16 @@ format: setup
 bench: setup
 	python -m benchmarks.loader
 
-clean:
+serve: setup
+	python -m flows.service start --port $(PREFECT_PORT) $(SERVE_ARGS)
+
+# Standard library only: works with any python3, even without .venv.
+stop:
+	python3 -m flows.service stop
+
+flow-runs:
+	@test -f .state/prefect.env || { echo "no local Prefect server: run make serve first"; exit 2; }
+	. .state/prefect.env && prefect flow-run ls
+
+clean: stop
 	rm -rf $(VENV) .state reports/node_modules reports/plots

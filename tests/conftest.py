@@ -11,6 +11,9 @@ import torch
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
+# `import prefect` (the flows) creates ~/.prefect unless PREFECT_HOME is set; `make test`
+# sets it, a bare `pytest` gets the same place.
+os.environ.setdefault("PREFECT_HOME", str(REPO / ".state" / "prefect"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,1 @@
+"""Prefect flows and deployments of ganpipe; they run DVC in subprocesses, never torch."""
