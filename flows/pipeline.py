@@ -33,6 +33,7 @@ from prefect.runtime import flow_run
 
 from flows import workspace
 from flows.workspace import DvcCommandError
+from reports.build import ReportError, build_report
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp")
 #: DVC experiment names are git ref names; this is a safe subset of them.
@@ -159,10 +160,18 @@ def publish_run(
 
 
 def render_plots(root: Path, run_name: str) -> str:
-    """Write ``dvc plots show`` HTML for the workspace under ``.state/plots/RUN/``."""
-    folder = root / ".state" / "plots" / re.sub(r"[^\w.-]", "_", run_name)
-    workspace.run_dvc(["plots", "show", "--out", str(folder)], root, run_logger().debug)
-    return str(folder / "index.html")
+    """The offline plots page (README "Reports") of the workspace, under ``.state/plots/RUN/``.
+
+    Without the vega bundles (``make setup`` installs them) it falls back to DVC's own page,
+    which needs internet to draw the curves.
+    """
+    folder = Path(".state") / "plots" / re.sub(r"[^\w.-]", "_", run_name)
+    try:
+        return str(build_report(root, out=folder))
+    except ReportError as exc:
+        run_logger().warning("offline plots page not built (%s); using DVC's default page", exc)
+    workspace.run_dvc(["plots", "show", "--out", str(root / folder)], root, run_logger().debug)
+    return str(root / folder / "index.html")
 
 
 def run_markdown(record: dict[str, Any], root: Path) -> str:
