@@ -175,11 +175,13 @@ def test_page_renders_every_plot_and_image_offline(project, browser):
     assert shown.steps == expected
     on_disk = {p.name: Image.open(p).size for p in (page_file.parent / "static").iterdir()}
     progress = list((project / "metrics/train/plots/images/progress").glob("*.png"))
-    assert len(on_disk) == len(progress) + 1 == 3  # progress grids at 64 and 128 images + grid
+    # progress grids at 64 and 128 images, the sample grid and the interpolation strips
+    assert len(on_disk) == len(progress) + 2 == 4
     assert shown.images == on_disk
-    assert (
-        shown.images["workspace_samples_grid.png"] == Image.open(project / "samples/grid.png").size
-    )
+    for name in ("grid", "interpolation"):
+        assert shown.images[f"workspace_samples_{name}.png"] == (
+            Image.open(project / f"samples/{name}.png").size
+        )
     assert spread(shown.screenshot) > 10
     for id_, shot in shown.plot_shots.items():
         assert spread(shot) > 10, f"plot {id_} looks blank"
@@ -194,7 +196,7 @@ def test_dvc_default_page_shows_no_plots_offline(project, browser):
     assert shown.steps == {}
     assert any("blocked request https://cdn.jsdelivr.net/npm/vega@" in p for p in shown.problems)
     assert any("vegaEmbed is not defined" in p for p in shown.problems), shown.problems
-    assert len(shown.images) == 3  # the images are local files and still load
+    assert len(shown.images) == 4  # the images are local files and still load
 
 
 def test_failed_build_keeps_the_previous_page(project, tmp_path):
