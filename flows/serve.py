@@ -73,22 +73,18 @@ def main() -> None:
     }
     project = str(workspace.PROJECT_ROOT)
     deployments = [
-        pipeline.to_deployment(
+        flow_.to_deployment(
             DEPLOYMENT,
-            schedules=[schedules["pipeline"]] if schedules["pipeline"] else None,
+            schedules=[schedules[name]] if schedules[name] else None,
             paused=False,
             parameters={"project_dir": project},
-            description=f"dvc repro of {project}, {describe(schedules['pipeline'])}",
+            description=f"{what} of {project}, {describe(schedules[name])}",
             tags=["ganpipe"],
-        ),
-        sweep.to_deployment(
-            DEPLOYMENT,
-            schedules=[schedules["sweep"]] if schedules["sweep"] else None,
-            paused=False,
-            parameters={"project_dir": project},
-            description=f"strategy sweep of {project}, {describe(schedules['sweep'])}",
-            tags=["ganpipe"],
-        ),
+        )
+        for name, flow_, what in (
+            ("pipeline", pipeline, "dvc repro"),
+            ("sweep", sweep, "strategy sweep"),
+        )
     ]
     for name, schedule in schedules.items():
         print(f"ganpipe-{name}/{DEPLOYMENT}: {describe(schedule)}", flush=True)
