@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ganpipe.files import replace_dir
+
 HERE = Path(__file__).resolve().parent
 TEMPLATE = HERE / "template.html"
 NODE_MODULES = HERE / "node_modules"
@@ -76,22 +78,6 @@ def is_plots_page(folder: Path) -> bool:
     )
 
 
-def replace_folder(new: Path, old: Path, trash: Path) -> None:
-    """Put ``new`` where ``old`` is; the previous ``old`` goes to ``trash`` (same disk).
-
-    Two renames: at every moment ``old`` is either the complete previous folder, absent,
-    or the complete new one.
-    """
-    if old.exists():
-        old.rename(trash)
-    try:
-        new.rename(old)
-    except OSError:
-        if trash.exists():
-            trash.rename(old)
-        raise
-
-
 def build_report(
     repo: Path = Path("."),
     out: Path = OUT,
@@ -118,7 +104,7 @@ def build_report(
         (staging / "vendor").mkdir()
         for name, path in bundles.items():
             shutil.copyfile(path, staging / "vendor" / name)
-        replace_folder(staging, out, Path(tmp) / "old")
+        replace_dir(staging, out)  # an atomic exchange; the old page is deleted after
     return out / "index.html"
 
 

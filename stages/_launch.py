@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 
-from ganpipe import runtime
+from ganpipe import dist, runtime
 from ganpipe.params import Params
 
 log = logging.getLogger("stages.launch")
@@ -63,3 +63,30 @@ def launch(params: Params, module: str) -> int:
             file=sys.stderr,
         )
     return code
+
+
+def join(params: Params, module: str) -> dist.DistContext:
+    """This process's place in the run of stage ``module``.
+
+    In the process the user started, with a world size > 1: launch ``module`` under
+    torchrun and exit with its status. In a torchrun worker (or the only process):
+    configure the runtime for this rank and join the process group.
+    """
+    devices = params.devices
+    if devices.world_size > 1 and "LOCAL_RANK" not in os.environ:
+        sys.exit(launch(params, module))
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if world_size != devices.world_size:
+        raise ValueError(
+            f"{world_size} processes were started but devices.nproc_per_node x devices.nnodes "
+            f"= {devices.world_size}; let the stage launch torchrun itself"
+        )
+    runtime.configure_runtime(params.seed, devices, params.determinism, rank)
+    return dist.setup(
+        devices,
+        rank,
+        int(os.environ.get("LOCAL_RANK", 0)),
+        world_size,
+        runtime.resolve_device(devices),
+    )

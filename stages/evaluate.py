@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from ganpipe import dist, evaluation, runtime
+from ganpipe import dist, evaluation
 from ganpipe.checkpoint import write_bytes_atomic
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.params import Params
 from stages import _cli
-from stages._launch import launch
+from stages._launch import join
 from stages.generate import load_generator
 
 log = logging.getLogger("stages.evaluate")
@@ -42,18 +40,8 @@ def extractor_for(params: Params) -> torch.nn.Module:
 
 
 def main(params: Params) -> None:
-    devices, cfg = params.devices, params.eval
-    if devices.world_size > 1 and "LOCAL_RANK" not in os.environ:
-        sys.exit(launch(params, "stages.evaluate"))
-    rank = int(os.environ.get("RANK", 0))
-    runtime.configure_runtime(params.seed, devices, params.determinism, rank)
-    context = dist.setup(
-        devices,
-        rank,
-        int(os.environ.get("LOCAL_RANK", 0)),
-        int(os.environ.get("WORLD_SIZE", 1)),
-        runtime.resolve_device(devices),
-    )
+    cfg = params.eval
+    context = join(params, "stages.evaluate")
     try:
         began = time.perf_counter()
         extractor = extractor_for(params)

@@ -26,13 +26,13 @@ from pathlib import Path
 import numpy as np
 from dvclive import Live
 
-from ganpipe import dist, runtime
+from ganpipe import dist
 from ganpipe.checkpoint import run_fingerprint, save_atomic, write_bytes_atomic
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.loop import TrainingInterrupted, train
 from ganpipe.params import Params
 from stages import _cli
-from stages._launch import launch
+from stages._launch import join
 
 log = logging.getLogger("stages.train")
 MODELS = Path("models")
@@ -107,24 +107,7 @@ class StopRequest:
 
 
 def main(params: Params) -> None:
-    devices = params.devices
-    if devices.world_size > 1 and "LOCAL_RANK" not in os.environ:
-        sys.exit(launch(params, "stages.train"))
-    rank = int(os.environ.get("RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if world_size != devices.world_size:
-        raise ValueError(
-            f"{world_size} processes were started but devices.nproc_per_node x devices.nnodes "
-            f"= {devices.world_size}; let the stage launch torchrun itself"
-        )
-    runtime.configure_runtime(params.seed, devices, params.determinism, rank)
-    context = dist.setup(
-        devices,
-        rank,
-        int(os.environ.get("LOCAL_RANK", 0)),
-        world_size,
-        runtime.resolve_device(devices),
-    )
+    context = join(params, "stages.train")
     try:
         dataset = LmdbImageDataset("data/train.lmdb", as_uint8=True)
         if list(dataset.meta["shape"]) != [params.data.image_size] * 2 + [params.data.channels]:
