@@ -78,7 +78,6 @@ def run_config(config: dict) -> dict:
     counter = PassCounter(gan.g, gan.d)
     counter.watch_real(reals[0])
     strategy(gan, [reals[0]], [loop.latents(0, 0, 64, 100)])
-    gan.scaler.update()
     passes = dict(counter.counts)
     param_grads = dict(counter.param_grads)
 
@@ -88,7 +87,6 @@ def run_config(config: dict) -> dict:
         z = loop.latents(0, step, 64, 100)
         start = time.perf_counter()
         strategy(gan, [real], [z])
-        gan.scaler.update()
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times[config["warmup"] :])
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux

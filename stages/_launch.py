@@ -50,12 +50,28 @@ def launch(params: Params, module: str) -> int:
     log.info(
         "launching %d x %d processes: %s", devices.nnodes, devices.nproc_per_node, " ".join(command)
     )
-    proc = subprocess.Popen(command, env=env)
-    # Pass SIGTERM / SIGINT on to torchrun, which passes them to the workers (training saves
-    # a checkpoint and stops).
+    # torchrun gets a session of its own, so that a signal for the stage's process group
+    # (Ctrl-C in a terminal) reaches it once, through the handler below, not twice: a second
+    # signal during torchrun's shutdown would abandon the workers mid-checkpoint.
+    proc = subprocess.Popen(command, env=env, start_new_session=True)
+    received: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        # torchrun passes it to the workers, which save a checkpoint and stop.
+        if not received:
+            proc.send_signal(signum)
+        received.append(signum)
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda signum, frame: proc.send_signal(signum))
+        signal.signal(signum, forward)
     code = proc.wait()
+    if received and code != 0:  # (0: the workers had finished before the signal came)
+        print(
+            f"stopped by signal {received[0]}; the workers saved a checkpoint (torchrun exit "
+            f"status {code}); run the stage again to resume",
+            file=sys.stderr,
+        )
+        return 128 + received[0]
     if code != 0:
         print(
             f"error: distributed {module.rsplit('.', 1)[-1]} failed (torchrun exit status "

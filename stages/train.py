@@ -67,13 +67,15 @@ def model_record(params: Params, net: str, state_dict: dict) -> dict:
     }
 
 
-def checkpoint_dir(params: Params) -> Path:
-    """``checkpoints/<fingerprint>``: each set of result-changing params has its own run.
+def checkpoint_dir(params: Params, dataset_sha256: str) -> tuple[Path, str]:
+    """``(checkpoints/<fingerprint>, fingerprint)``: each set of result-changing params,
+    training set and code has its own run.
 
-    A checkpoint is therefore never reused by different training params, and switching
-    back to earlier params resumes their run. ``run.json`` says which params a folder is for.
+    A checkpoint is therefore never reused by different training params or data, and
+    switching back to earlier params resumes their run. ``run.json`` says which params a
+    folder is for.
     """
-    fingerprint, relevant = run_fingerprint(params)
+    fingerprint, relevant = run_fingerprint(params, dataset_sha256)
     run_dir = CHECKPOINTS / fingerprint[:16]
     others = [p.name for p in CHECKPOINTS.glob("*") if p.is_dir() and p != run_dir]
     if others and not list(run_dir.glob("ckpt-*.pt")):
@@ -88,7 +90,7 @@ def checkpoint_dir(params: Params) -> Path:
     write_bytes_atomic(
         json.dumps(relevant, indent=2, sort_keys=True).encode(), run_dir / "run.json"
     )
-    return run_dir
+    return run_dir, fingerprint
 
 
 class StopRequest:
@@ -117,10 +119,11 @@ def main(params: Params) -> None:
                 f"data.channels={params.data.channels}; run `dvc repro prepare`"
             )
         # Only rank 0 writes: logs, images and models. The others wait at the barrier.
-        run_dir = checkpoint_dir(params) if context.is_main else None
-        run_dir = Path(context.broadcast_object(str(run_dir)))
-        # The log starts afresh: dvclive's own files are not written atomically, and a
-        # killed run can leave a truncated metrics.json that resume=True would fail on.
+        run = checkpoint_dir(params, dataset.meta["content_sha256"]) if context.is_main else None
+        run_dir, fingerprint = context.broadcast_object(run)
+        # The log starts afresh and the loop writes the resumed run's records again from
+        # its checkpoint: dvclive's own files are not written atomically, a killed run can
+        # leave a truncated metrics.json, and DVC clears the log before rerunning the stage.
         live = (
             Live(LOG_DIR, dvcyaml=None, save_dvc_exp=False, report=None)
             if context.is_main
@@ -130,7 +133,15 @@ def main(params: Params) -> None:
         with live:
             logger = DvcliveLogger(live) if context.is_main else None
             try:
-                result = train(params, dataset, context, logger, run_dir=run_dir, should_stop=stop)
+                result = train(
+                    params,
+                    dataset,
+                    context,
+                    logger,
+                    run_dir=Path(run_dir),
+                    should_stop=stop,
+                    fingerprint=fingerprint,
+                )
             except TrainingInterrupted as exc:
                 if context.is_main:
                     print(

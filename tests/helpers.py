@@ -18,7 +18,7 @@ def stage_env() -> dict[str, str]:
     """The environment of a stage subprocess: this repo importable, the venv's tools first."""
     return {
         **os.environ,
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}",
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     }
 

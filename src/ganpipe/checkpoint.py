@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import io
+import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def write_bytes_atomic(data: bytes, path: Path) -> None:
@@ -66,39 +72,69 @@ NEUTRAL_KEYS = {
         "log_every_kimg",
         "num_workers",
     },
-    "devices": {"gpus", "node_rank", "rdzv_endpoint", "backend", "timeout_s"},
+    "devices": {"gpus", "node_rank", "rdzv_endpoint", "timeout_s"},
     "generate": {"seed"},
 }
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2
+#: A checkpoint file is this line, then ``torch.save``'s bytes. torch's zip reader does not
+#: check CRCs, so flipped bits inside tensor data would otherwise load without an error.
+MAGIC = b"ganpipe-checkpoint sha256="
+REQUIRED_KEYS = {"format", "fingerprint", "iteration", "images_seen", "g", "d", "g_ema"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is damaged or not a ganpipe checkpoint."""
+
+
+def _without_docstrings(tree: ast.AST) -> ast.AST:
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return tree
 
 
 def code_digest() -> str:
-    """sha256 of the ganpipe package's source: new code must not resume old runs."""
-    import hashlib
+    """sha256 of the ganpipe package's code and the torch version it runs on.
 
+    The code is hashed as its syntax tree without docstrings: comments, formatting and
+    documentation do not count, anything that runs does. New code must not resume a run
+    of the old code, whose bits it might not reproduce.
+    """
     package = Path(__file__).parent
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(f"torch {torch.__version__}\n".encode())
     for path in sorted(package.rglob("*.py")):
         digest.update(path.relative_to(package).as_posix().encode())
-        digest.update(path.read_bytes())
+        digest.update(source_digest(path.read_text(encoding="utf-8")).encode())
     return digest.hexdigest()
 
 
-def run_fingerprint(params: Any) -> tuple[str, dict[str, Any]]:
+def source_digest(source: str) -> str:
+    """sha256 of Python source as code: comments, formatting and docstrings do not count."""
+    tree = _without_docstrings(ast.parse(source))
+    return hashlib.sha256(ast.dump(tree, annotate_fields=False).encode()).hexdigest()
+
+
+def run_fingerprint(params: Any, dataset_sha256: str = "") -> tuple[str, dict[str, Any]]:
     """``(sha256, what it covers)`` of everything that changes the trained bits.
 
     That is the params (training length, intervals, worker counts and addresses left out:
-    a run extended with a larger ``train.kimg`` resumes from its last checkpoint) and the
-    library's source code (after a code change DVC reruns the stage, and it must train
-    with the new code rather than resume the old run).
+    a run extended with a larger ``train.kimg`` resumes from its last checkpoint), the
+    training set's content hash (``dataset_sha256``: new images are a new run), and the
+    library's code and torch version (after a code change DVC reruns the stage, and it
+    must train with the new code rather than resume the old run).
     """
-    import hashlib
-    import json
-
     relevant = params.model_dump(mode="json")
     for section, keys in NEUTRAL_KEYS.items():
         relevant[section] = {k: v for k, v in relevant[section].items() if k not in keys}
     relevant["devices"]["world_size"] = params.devices.world_size
+    relevant["dataset_sha256"] = dataset_sha256
     relevant["code_sha256"] = code_digest()
     text = json.dumps(relevant, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest(), relevant
@@ -114,38 +150,79 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(run_dir.glob("ckpt-*.pt"), reverse=True)
 
 
+def remove_stale_temporaries(run_dir: Path) -> list[Path]:
+    """Delete the temporary files of writes that a kill interrupted; return them."""
+    stale = sorted(run_dir.glob(".ckpt-*.pt.tmp-*"))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
 def save_checkpoint(state: dict[str, Any], run_dir: Path, images_seen: int, keep: int) -> Path:
-    """Write a checkpoint atomically, then delete all but the newest ``keep``."""
+    """Write a checkpoint atomically (with its sha256), then delete all but the newest ``keep``."""
     path = run_dir / checkpoint_name(images_seen)
-    save_atomic({"format": CHECKPOINT_FORMAT, **state}, path)
+    payload = torch_bytes({"format": CHECKPOINT_FORMAT, **state})
+    header = MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n"
+    write_bytes_atomic(header + payload, path)
     for old in list_checkpoints(run_dir)[keep:]:
         old.unlink(missing_ok=True)
     return path
 
 
-def load_newest_checkpoint(run_dir: Path, map_location: Any = "cpu") -> dict[str, Any] | None:
+def read_checkpoint(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
+    """Load a checkpoint after checking its sha256; ``weights_only``: pickled code is refused.
+
+    Raises:
+        CheckpointError: the file is truncated, altered or not a ganpipe checkpoint.
+    """
+    raw = path.read_bytes()
+    header, _, payload = raw.partition(b"\n")
+    if not header.startswith(MAGIC):
+        raise CheckpointError(f"{path} does not start with a ganpipe checkpoint header")
+    expected = header[len(MAGIC) :].decode("ascii", "replace")
+    if hashlib.sha256(payload).hexdigest() != expected:
+        raise CheckpointError(f"{path} is truncated or altered (sha256 mismatch)")
+    state = torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path} is not a format-{CHECKPOINT_FORMAT} ganpipe checkpoint")
+    missing = REQUIRED_KEYS - state.keys()
+    if missing:
+        raise CheckpointError(f"{path} lacks {sorted(missing)}")
+    return state
+
+
+def load_newest_checkpoint(
+    run_dir: Path, fingerprint: str | None = None, map_location: Any = "cpu"
+) -> dict[str, Any] | None:
     """The newest checkpoint of the run that loads, or None.
 
-    A checkpoint that fails to load (truncated, corrupt, foreign) is skipped with a
-    warning naming it, and the previous one is tried. Loading is ``weights_only``: a file
-    carrying pickled code is refused, never executed.
+    A checkpoint that fails to load (truncated, corrupt, foreign, pickled code) is renamed
+    ``*.corrupt`` (kept for inspection, never pruned in place of a good one) with a warning
+    naming it, and the previous one is tried. One made by another run (a different
+    ``fingerprint``) is skipped with a warning.
     """
-    import logging
-
-    log = logging.getLogger(__name__)
     for path in list_checkpoints(run_dir):
         try:
-            state = load(path, map_location=map_location)
+            state = read_checkpoint(path, map_location=map_location)
         except Exception as exc:  # a bad file must not stop the run from using an older one
+            reason = str(exc).splitlines()[0][:200] if str(exc) else ""
+            aside = path.with_name(path.name + ".corrupt")
+            path.replace(aside)
             log.warning(
-                "checkpoint %s cannot be loaded (%s: %s); trying the previous one",
+                "checkpoint %s cannot be loaded (%s: %s); moved to %s, trying the previous one",
                 path,
                 type(exc).__name__,
-                str(exc).splitlines()[0][:200],
+                reason,
+                aside.name,
             )
             continue
-        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-            log.warning("checkpoint %s is not a ganpipe checkpoint; trying the previous one", path)
+        if fingerprint is not None and state["fingerprint"] != fingerprint:
+            log.warning(
+                "checkpoint %s belongs to run %s, not %s; trying the previous one",
+                path,
+                str(state["fingerprint"])[:16],
+                fingerprint[:16],
+            )
             continue
         state["path"] = str(path)
         return state

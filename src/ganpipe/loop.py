@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
@@ -92,7 +94,8 @@ class TrainResult:
     g_ema: EmaGenerator
     images_seen: int
     iterations: int
-    skipped_steps: int
+    skipped_steps: dict[str, int]
+    """Optimizer steps the fp16 GradScalers skipped, per network (``g``, ``d``)."""
 
 
 def scaled_lr(lr: float, train: TrainParams) -> float:
@@ -128,7 +131,8 @@ def build_gan(params: Params, context: DistContext | torch.device) -> tuple[Gan,
         opt_g=optimizer(g, cfg.lr_g),
         opt_d=optimizer(d, cfg.lr_d),
         loss=build_loss(cfg),
-        scaler=runtime.grad_scaler(params.precision, device),
+        scaler_g=runtime.grad_scaler(params.precision, device),
+        scaler_d=runtime.grad_scaler(params.precision, device),
         autocast=runtime.autocast_factory(params.precision, device),
         grad_accum=cfg.grad_accum,
     )
@@ -150,27 +154,99 @@ class TrainingInterrupted(Exception):
         self.checkpoint = checkpoint
 
 
+@dataclass
+class _Progress:
+    """What the loop carries from iteration to iteration besides the networks."""
+
+    iteration: int = 0
+    history: list = field(default_factory=list)
+    """Every logged record so far, ``[images_seen, scalars]``: replayed into the log on resume."""
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per-step statistics summed since the last logged record (on the device)."""
+    last_log: int = 0
+    """The iteration of the last logged record."""
+
+
+def data_position(batches_done: int, num_items: int, batch_size: int) -> dict[str, int]:
+    """Where the data stream stands after ``batches_done`` global batches."""
+    per_epoch = num_items // batch_size
+    return {"epoch": batches_done // per_epoch, "offset": batches_done % per_epoch}
+
+
+def _grid_path(run_dir: Path, images_seen: int) -> Path:
+    return run_dir / "grids" / f"{images_seen:012d}.png"
+
+
+def _save_grid(run_dir: Path, images_seen: int, grid: np.ndarray) -> None:
+    """Keep a progress grid beside the checkpoints (the log may be cleared before a resume)."""
+    buffer = io.BytesIO()
+    Image.fromarray(grid.squeeze(-1) if grid.shape[-1] == 1 else grid).save(buffer, "PNG")
+    checkpoint.write_bytes_atomic(buffer.getvalue(), _grid_path(run_dir, images_seen))
+
+
+def _replay(logger: TrainLogger | None, run_dir: Path, state: dict, images_seen: int) -> None:
+    """Write the log of the run up to the checkpoint again: scalars and progress grids."""
+    if logger is None:
+        return
+    for seen, scalars in state["log"]:
+        logger.log_scalars(seen, scalars)
+    for path in sorted((run_dir / "grids").glob("*.png")):
+        if int(path.stem) <= images_seen:
+            grid = np.asarray(Image.open(path))
+            logger.log_grid(int(path.stem), grid[..., None] if grid.ndim == 2 else grid)
+
+
 def _resume(
-    params: Params, gan: Gan, g_ema: EmaGenerator, context: DistContext, run_dir: Path
-) -> tuple[int, int]:
+    gan: Gan,
+    g_ema: EmaGenerator,
+    context: DistContext,
+    run_dir: Path,
+    fingerprint: str,
+    num_items: int,
+    batch_size: int,
+    n_critic: int,
+) -> tuple[_Progress, dict | None]:
     """Load the newest valid checkpoint of this run (rank 0 reads, all ranks receive it).
 
-    Returns ``(iterations done, fp16 skipped steps)``; ``(0, 0)`` without a checkpoint.
+    Returns the progress to continue from and the checkpoint (None without one).
     """
-    state = checkpoint.load_newest_checkpoint(run_dir) if context.is_main else None
+    state = None
+    if context.is_main:
+        for stale in checkpoint.remove_stale_temporaries(run_dir):
+            log.info("removed %s, left by an interrupted checkpoint write", stale.name)
+        state = checkpoint.load_newest_checkpoint(run_dir, fingerprint)
     state = context.broadcast_object(state)
     if state is None:
         log.info("no checkpoint in %s: training from the start", run_dir)
-        return 0, 0, {}
+        return _Progress(), None
+    iteration = state["iteration"]
+    expected = data_position(iteration * n_critic, num_items, batch_size)
+    if state["data"] != expected:
+        raise ValueError(
+            f"checkpoint {state['path']} stopped at data position {state['data']}, but "
+            f"{iteration} iterations over {num_items} images in batches of {batch_size} "
+            f"end at {expected}; the training set changed: delete {run_dir} to start afresh"
+        )
     dist.unwrap(gan.g).load_state_dict(state["g"])
     dist.unwrap(gan.d).load_state_dict(state["d"])
     g_ema.load_state_dict(state["g_ema"])
     gan.opt_g.load_state_dict(state["opt_g"])
     gan.opt_d.load_state_dict(state["opt_d"])
-    gan.scaler.load_state_dict(state["scaler"])
+    gan.scaler_g.load_state_dict(state["scaler_g"])
+    gan.scaler_d.load_state_dict(state["scaler_d"])
+    gan.skipped.update(state["skipped_steps"])
     runtime.set_rng_state(state["rng"][context.rank])
     log.info("resumed from %s (%d images seen)", state["path"], state["images_seen"])
-    return state["iteration"], state["skipped_steps"], state.get("last_scalars", {})
+    mine = state["unlogged"]["sums"][context.rank]
+    sums = {k: v.to(context.device) for k, v in mine.items()}
+    return _Progress(iteration, list(state["log"]), sums, state["unlogged"]["since"]), state
+
+
+def _weights_are_finite(gan: Gan, g_ema: EmaGenerator, context: DistContext) -> bool:
+    """All weights of G, D and the EMA finite, on every rank (one host sync)."""
+    tensors = [*gan.g.parameters(), *gan.d.parameters(), *g_ema.parameters()]
+    bad = torch.stack([~torch.isfinite(t).all() for t in tensors]).any().float()
+    return context.all_max(bad).item() == 0
 
 
 def _save(
@@ -179,27 +255,34 @@ def _save(
     context: DistContext,
     run_dir: Path,
     keep: int,
-    iteration: int,
+    fingerprint: str,
+    progress: _Progress,
     images_seen: int,
-    skipped: int,
-    last_scalars: dict[str, float],
+    data: dict[str, int],
 ) -> Path | None:
-    """Write a full-state checkpoint (rank 0), with every rank's RNG states."""
+    """Write a full-state checkpoint (rank 0), with every rank's RNG states and sums."""
     rngs = context.gather_objects(runtime.rng_state())
+    sums = context.gather_objects({k: v.cpu() for k, v in progress.sums.items()})
     path = None
     if context.is_main:
         state = {
-            "iteration": iteration,
+            "fingerprint": fingerprint,
+            "iteration": progress.iteration,
             "images_seen": images_seen,
-            "skipped_steps": int(skipped),
+            "data": data,
+            "skipped_steps": dict(gan.skipped),
             "g": dist.unwrap(gan.g).state_dict(),
             "d": dist.unwrap(gan.d).state_dict(),
             "g_ema": g_ema.state_dict(),
             "opt_g": gan.opt_g.state_dict(),
             "opt_d": gan.opt_d.state_dict(),
-            "scaler": gan.scaler.state_dict(),
+            "scaler_g": gan.scaler_g.state_dict(),
+            "scaler_d": gan.scaler_d.state_dict(),
             "rng": rngs,
-            "last_scalars": last_scalars,
+            "log": progress.history,
+            # A checkpoint between two log records: the next record must average the same
+            # iterations as in a run that was never stopped.
+            "unlogged": {"sums": sums, "since": progress.last_log},
         }
         path = checkpoint.save_checkpoint(state, run_dir, images_seen, keep)
     context.barrier()
@@ -214,6 +297,7 @@ def train(
     progress: bool = True,
     run_dir: Path | None = None,
     should_stop: Callable[[], bool] | None = None,
+    fingerprint: str = "",
 ) -> TrainResult:
     """Train G and D on ``dataset`` as ``params`` says, on one process or as one DDP rank.
 
@@ -223,17 +307,19 @@ def train(
 
     With ``run_dir``, a full-state checkpoint is written there every
     ``train.checkpoint_kimg`` and at the end, and training resumes from the newest valid
-    one: batches and latents are functions of the step, RNG states are restored per rank,
-    so a resumed run ends with the same bytes as one never stopped. ``should_stop`` is
-    polled every iteration (SIGTERM / SIGINT): the run saves a checkpoint and raises
+    one made with the same ``fingerprint`` (see :func:`checkpoint.run_fingerprint`):
+    batches and latents are functions of the step, RNG states are restored per rank, so a
+    resumed run ends with the same bytes as one never stopped, and the log up to the
+    checkpoint is written again before training goes on. ``should_stop`` is polled every
+    iteration (SIGTERM / SIGINT): the run saves a checkpoint and raises
     :class:`TrainingInterrupted`.
 
     Raises:
         ValueError: the batch does not fit the dataset.
-        FloatingPointError: a loss became NaN or infinite in fp32/bf16 (the message names
-            the step, the strategy and the loss); the last good checkpoint is kept. fp16
-            leaves inf/NaN to the GradScaler, which skips those steps; they are counted in
-            ``amp/skipped_steps``.
+        FloatingPointError: a loss (or, before a checkpoint, a weight) became NaN or
+            infinite in fp32/bf16 (the message names the step, the strategy and the loss);
+            the last good checkpoint is kept. fp16 leaves inf/NaN to the GradScalers, which
+            skip those steps; they are counted in ``amp/skipped_steps/{g,d}``.
         TrainingInterrupted: ``should_stop`` turned true; a checkpoint was saved.
     """
     if isinstance(context, torch.device):
@@ -245,13 +331,18 @@ def train(
             f"({len(dataset)} images); lower it or add data"
         )
     gan, g_ema = build_gan(params, context)
-    start, skipped, means = 0, 0, {}
+    logger = logger if context.is_main else None
+    run, resumed = _Progress(), None
     if run_dir is not None:
-        start, skipped, means = _resume(params, gan, g_ema, context, run_dir)
+        run, resumed = _resume(
+            gan, g_ema, context, run_dir, fingerprint, len(dataset), cfg.batch_size, cfg.n_critic
+        )
+        if resumed is not None:
+            _replay(logger, run_dir, resumed, resumed["images_seen"])
+    start = run.iteration
     strategy = STRATEGIES[cfg.strategy]
     z_dim, per_iteration = params.model.z_dim, cfg.batch_size * cfg.n_critic
     mine = context.local_slice(cfg.batch_size)
-    logger = logger if context.is_main else None
 
     iterations = math.ceil(cfg.kimg * 1000 / per_iteration)
     if start > iterations:
@@ -273,6 +364,8 @@ def train(
         context.rank,
         context.world_size,
     )
+    # Workers hold no random state the run uses (decoding is deterministic), so seeding
+    # them from the start-of-run generator again after a resume changes no bits.
     loader = DataLoader(
         dataset,
         batch_sampler=sampler,
@@ -288,10 +381,9 @@ def train(
 
     gan.g.train()
     gan.d.train()
-    sums: dict[str, torch.Tensor] = {}
     # The first non-finite step, tracked on the device: no host sync per step.
     first_bad = torch.full((), -1.0, device=device)
-    since, last_log = time.perf_counter(), start
+    since, timed_from = time.perf_counter(), start
 
     def check_finite(done: int, stats: dict[str, torch.Tensor]) -> None:
         bad_step = context.all_max(first_bad.clone()).item()  # -1: all finite
@@ -323,74 +415,81 @@ def train(
                 for k in range(cfg.n_critic)
             ]
             stats = strategy(gan, reals, zs)
-            if gan.scaler.is_enabled():
-                scale = gan.scaler.get_scale()
-                gan.scaler.update()
-                skipped += gan.scaler.get_scale() < scale  # the scale drops on a skipped step
             g_ema.update(dist.unwrap(gan.g), per_iteration)
             if track_finite:
                 finite = torch.isfinite(stats["loss/d"]) & torch.isfinite(stats["loss/g"])
                 first_bad = torch.where((first_bad < 0) & ~finite, float(it), first_bad)
             for key, value in stats.items():
-                sums[key] = sums.get(key, 0) + value.float()
+                run.sums[key] = run.sums.get(key, 0) + value.float()
             bar.update(per_iteration)
 
-            done = it + 1
+            done = run.iteration = it + 1
             images_seen = done * per_iteration
             stop = should_stop is not None and context.any(should_stop())
             if done % log_every == 0 or done == iterations:
                 # Two small all-reduces and one host sync per logging interval, none per step.
                 check_finite(done, stats)
-                keys = sorted(sums)
-                totals = context.all_sum(torch.stack([sums[k] for k in keys])).tolist()
+                keys = sorted(run.sums)
+                totals = context.all_sum(torch.stack([run.sums[k] for k in keys])).tolist()
                 now = time.perf_counter()
-                count = (done - last_log) * context.world_size
+                count = (done - run.last_log) * context.world_size
                 means = {k: v / count for k, v in zip(keys, totals, strict=False)}
-                means["perf/images_per_s"] = (done - last_log) * per_iteration / (now - since)
-                means["perf/step_ms"] = 1000 * (now - since) / (done - last_log)
+                means["perf/images_per_s"] = (done - timed_from) * per_iteration / (now - since)
+                means["perf/step_ms"] = 1000 * (now - since) / (done - timed_from)
                 means["perf/peak_memory_mb"] = runtime.peak_memory_mb(device)
                 means["kimg"] = images_seen / 1000
                 means["lr/g"] = gan.opt_g.param_groups[0]["lr"]
                 means["lr/d"] = gan.opt_d.param_groups[0]["lr"]
-                if gan.scaler.is_enabled():
-                    means["amp/skipped_steps"] = float(skipped)
-                    means["amp/scale"] = gan.scaler.get_scale()
+                if gan.scaler_g.is_enabled():
+                    for net, scaler in (("g", gan.scaler_g), ("d", gan.scaler_d)):
+                        means[f"amp/skipped_steps/{net}"] = float(gan.skipped[net])
+                        means[f"amp/scale/{net}"] = scaler.get_scale()
                 if logger is not None:
                     logger.log_scalars(images_seen, means)
+                run.history.append([images_seen, means])
                 bar.set_postfix(
                     {"loss/d": f"{means['loss/d']:.3f}", "loss/g": f"{means['loss/g']:.3f}"},
                     refresh=False,
                 )
-                sums, since, last_log = {}, now, done
-            if logger is not None and (done % snapshot_every == 0 or done == iterations):
-                logger.log_grid(images_seen, snapshot(g_ema, fixed_z, params.generate.grid_rows))
+                run.sums, run.last_log, since, timed_from = {}, done, now, done
+            if context.is_main and (done % snapshot_every == 0 or done == iterations):
+                grid = snapshot(g_ema, fixed_z, params.generate.grid_rows)
+                if logger is not None:
+                    logger.log_grid(images_seen, grid)
+                if run_dir is not None:
+                    _save_grid(run_dir, images_seen, grid)
             if run_dir is not None and (done % checkpoint_every == 0 or done == iterations or stop):
                 check_finite(done, stats)  # never checkpoint a diverged state
+                if not _weights_are_finite(gan, g_ema, context):
+                    raise FloatingPointError(
+                        f"non-finite weights after step {done} (train.strategy="
+                        f"{cfg.strategy}, train.loss={cfg.loss}, precision={params.precision});"
+                        " the last good checkpoint is kept; lower train.lr_g / train.lr_d"
+                    )
                 path = _save(
                     gan,
                     g_ema,
                     context,
                     run_dir,
                     cfg.keep_checkpoints,
-                    done,
+                    fingerprint,
+                    run,
                     images_seen,
-                    skipped,
-                    means,
+                    data_position(done * cfg.n_critic, len(dataset), cfg.batch_size),
                 )
             if stop:
                 raise TrainingInterrupted(images_seen, path if run_dir is not None else None)
-    if start >= iterations and logger is not None:
-        # Resumed a finished run: the log (which DVC cleared) gets its final record again.
-        final = start * per_iteration
-        if means:
-            logger.log_scalars(final, means)
-        logger.log_grid(final, snapshot(g_ema, fixed_z, params.generate.grid_rows))
+    skipped = gan.skipped["g"] + gan.skipped["d"]
     if skipped:
-        log.warning("the fp16 GradScaler skipped %d of %d iterations", skipped, iterations)
+        log.warning(
+            "the fp16 GradScalers skipped %d G and %d D optimizer steps",
+            gan.skipped["g"],
+            gan.skipped["d"],
+        )
     log.info("trained %d iterations, %.1f kimg", iterations, iterations * per_iteration / 1000)
     g, d = dist.unwrap(gan.g), dist.unwrap(gan.d)
     return TrainResult(
-        g.cpu(), d.cpu(), g_ema.cpu(), iterations * per_iteration, iterations, int(skipped)
+        g.cpu(), d.cpu(), g_ema.cpu(), iterations * per_iteration, iterations, dict(gan.skipped)
     )
 
 

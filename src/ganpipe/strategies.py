@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -43,10 +43,17 @@ class Gan:
     opt_g: torch.optim.Optimizer
     opt_d: torch.optim.Optimizer
     loss: GanLoss
-    scaler: torch.amp.GradScaler
+    scaler_g: torch.amp.GradScaler
+    scaler_d: torch.amp.GradScaler
+    """One GradScaler per network (active in fp16 only). Each is updated right after its
+    network steps: with ``n_critic > 1`` D steps several times per iteration, and a shared
+    scaler would refuse to unscale D's gradients a second time before ``update()``, while
+    ``d_first_retain`` must not change G's scale between G's backward and G's step."""
     autocast: Callable[[], AbstractContextManager]
     grad_accum: int = 1
     """Micro-batches per update: their gradients add up before the optimizer steps."""
+    skipped: dict[str, int] = field(default_factory=lambda: {"g": 0, "d": 0})
+    """Optimizer steps the fp16 scalers skipped (inf/NaN gradients), per network."""
 
     def micro(self, real: torch.Tensor, z: torch.Tensor) -> Iterator[tuple[Tensor, Tensor]]:
         """This rank's batch as ``grad_accum`` equal micro-batches of (real, latent)."""
@@ -80,16 +87,24 @@ class Gan:
     def backward(self, loss: torch.Tensor, net: nn.Module, retain_graph: bool = False) -> None:
         """Backward into ``net``'s parameters only."""
         params = [p for p in net.parameters() if p.requires_grad]
-        self.scaler.scale(loss).backward(inputs=params, retain_graph=retain_graph)
+        scaler = self.scaler_g if net is self.g else self.scaler_d
+        scaler.scale(loss).backward(inputs=params, retain_graph=retain_graph)
 
     def step(self, opt: torch.optim.Optimizer) -> torch.Tensor:
         """Unscale, measure the gradient norm, step (skipped by the scaler on inf/NaN)."""
-        self.scaler.unscale_(opt)
+        name = "g" if opt is self.opt_g else "d"
+        scaler = self.scaler_g if name == "g" else self.scaler_d
+        scaler.unscale_(opt)
         grads = [
             p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None
         ]
         norm = torch.nn.utils.get_total_norm(grads)
-        self.scaler.step(opt)
+        scaler.step(opt)
+        if scaler.is_enabled():
+            # A skipped step halves the scale. get_scale() syncs with the device: fp16 only.
+            scale = scaler.get_scale()
+            scaler.update()
+            self.skipped[name] += scaler.get_scale() < scale
         return norm
 
 

@@ -7,6 +7,7 @@ import hashlib
 import os
 import pickle
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -52,11 +53,11 @@ def project(root: Path, data_dir: Path, **sections) -> Path:
     return write_project(root, RUN, data_dir, **sections)
 
 
-def start(root: Path) -> subprocess.Popen:
+def start(root: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "stages.train"],
         cwd=root,
-        env=stage_env(),
+        env={**stage_env(), **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -94,19 +95,41 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.communicate()
 
 
+#: Written into a folder on the stage's PYTHONPATH: while the flag file exists, fsync of a
+#: checkpoint's temporary file stalls, so the test can kill the run inside a checkpoint
+#: write (after the bytes are written, before the rename) every time, not by luck.
+STALL_WRITES = """
+import os, time
+_flag = os.environ.get("STALL_CHECKPOINT_WRITES_WHILE")
+if _flag:
+    _fsync = os.fsync
+    def fsync(fd):
+        try:
+            name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            name = ""
+        while name.startswith(".ckpt-") and os.path.exists(_flag):
+            time.sleep(0.01)
+        _fsync(fd)
+    os.fsync = fsync
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("world", "precision"), [(1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16")]
+    ("world", "precision", "loss"),
+    [(1, "fp32", "bce"), (1, "bf16", "wgan_gp"), (2, "fp32", "wgan_gp"), (2, "bf16", "bce")],
 )
 def test_sigkill_at_random_moments_then_resume_gives_the_same_bytes(
-    tmp_path, data_dir, world, precision
+    tmp_path, data_dir, world, precision, loss
 ):
-    # 20 checkpoints: room for 5 kills, each after one new checkpoint plus a random delay,
-    # even when the machine runs faster than while the reference was timed.
+    # wgan_gp draws its interpolation weights from the global torch RNG every step: the
+    # run only ends with the same bytes if every rank's RNG state is restored exactly.
     sections = {
         "precision": precision,
         "devices": {"nproc_per_node": world},
-        "train": {"checkpoint_kimg": 0.16},
+        "model": {"norm": "layer" if loss == "wgan_gp" else "batch"},
+        "train": {"checkpoint_kimg": 0.16, "loss": loss},
     }
     reference = project(tmp_path / "reference", data_dir, **sections)
     proc = start(reference)
@@ -118,20 +141,40 @@ def test_sigkill_at_random_moments_then_resume_gives_the_same_bytes(
     expected = digest(reference)
 
     root = project(tmp_path / "killed", data_dir, **sections)
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    (faults / "sitecustomize.py").write_text(STALL_WRITES)
+    flag = tmp_path / "stall"
+    env = {"PYTHONPATH": f"{faults}:{stage_env()['PYTHONPATH']}"}
+    env["STALL_CHECKPOINT_WRITES_WHILE"] = str(flag)
     rng = random.Random(world * 10 + len(precision))
-    resumed = 0
-    for _ in range(5):
-        # Wait for the run to make progress (a new checkpoint), then kill it at a random
-        # moment within about one checkpoint interval: the kill lands mid-training.
+    kills = []
+    for attempt in range(5):
+        # Wait for the run to make progress (a new checkpoint), then kill it: at a random
+        # moment within about one checkpoint interval, or (third kill) inside the next
+        # checkpoint write.
         before = newest(root)
-        proc = start(root)
+        proc = start(root, env)
         while proc.poll() is None and newest(root) == before:
             time.sleep(0.005)
-        if proc.poll() is not None:  # finished: nothing left to interrupt
-            break
-        time.sleep(rng.uniform(0.0, window / 10))
+        assert proc.poll() is None, f"the run finished before kill {attempt + 1}"
+        if attempt == 2:
+            flag.touch()
+            while not list((root / "checkpoints").glob("*/.ckpt-*.tmp-*")):
+                assert proc.poll() is None, proc.communicate()[1][-2000:]
+                time.sleep(0.005)
+            kills.append("during a checkpoint write")
+        else:
+            time.sleep(rng.uniform(0.0, window / 10))
+            kills.append("mid-training")
         kill_group(proc)
-        resumed += 1
+        flag.unlink(missing_ok=True)
+        if attempt == 2:
+            temporaries = list((root / "checkpoints").glob("*/.ckpt-*.tmp-*"))
+            assert temporaries, "the kill did not land inside the write"
+            for ckpt in (root / "checkpoints").glob("*/ckpt-*.pt"):
+                checkpoint.read_checkpoint(ckpt)  # every complete checkpoint still loads
+    assert len(kills) == 5
     checkpoints = sorted((root / "checkpoints").glob("*/ckpt-*.pt"))
     assert checkpoints, "no checkpoint was written before the kills"
     checkpoints[-1].write_bytes(checkpoints[-1].read_bytes()[:1000])  # corrupt the newest
@@ -141,8 +184,24 @@ def test_sigkill_at_random_moments_then_resume_gives_the_same_bytes(
         err,
     )
     assert "resumed from" in err
-    assert resumed >= 3
+    assert not list((root / "checkpoints").glob("*/.ckpt-*.tmp-*")), "stale temporaries left"
     assert digest(root) == expected
+    # The log was written again from the checkpoint: the same records as the reference's.
+    assert logged_values(root) == logged_values(reference)
+
+
+def logged_values(root: Path) -> dict[str, list[tuple[str, str]]]:
+    """(step, value) rows of every logged curve but the measured perf/* ones."""
+    curves = root / "metrics" / "train" / "plots" / "metrics"
+    found = {}
+    for tsv in sorted(curves.rglob("*.tsv")):
+        name = tsv.relative_to(curves).as_posix()
+        if not name.startswith("perf/"):
+            rows = [line.split("\t") for line in tsv.read_text().splitlines()]
+            step, value = rows[0].index("step"), rows[0].index(tsv.stem)
+            found[name] = [(row[step], row[value]) for row in rows[1:]]
+    assert "loss/g.tsv" in found, sorted(found)
+    return found
 
 
 @pytest.mark.slow
@@ -198,6 +257,39 @@ def test_sigterm_saves_a_checkpoint_and_exits_non_zero(tmp_path, data_dir):
     assert digest(root) == digest(reference)
 
 
+@pytest.mark.slow
+def test_ctrl_c_stops_two_ddp_processes_with_a_checkpoint(tmp_path, data_dir):
+    """SIGINT to the stage's process group, as Ctrl-C in a terminal sends it: torchrun (in a
+    session of its own) gets it once, through the stage; every rank saves and stops."""
+    sections = {"devices": {"nproc_per_node": 2}, "train": {"kimg": 16}}
+    root = project(tmp_path / "stopped", data_dir, **sections)
+    proc = start(root)
+    while not list((root / "checkpoints").glob("*/ckpt-*.pt")):
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    # The rank-0 worker's line, then the stage's own.
+    stopped = re.search(r"stopped by signal 2 after (\d+) images; checkpoint (\S+);", err)
+    assert stopped, err[-3000:]
+    assert "run the stage again to resume" in err
+    state = checkpoint.read_checkpoint(root / stopped.group(2))
+    assert state["images_seen"] == int(stopped.group(1))
+    assert len(state["rng"]) == 2  # both ranks' RNG states
+    assert not (root / "models").exists() or not list((root / "models").iterdir())
+    assert not [p for p in descendants(os.getpid()) if p != proc.pid and is_stage(p)], (
+        "a worker outlived the stop"
+    )
+
+
+def is_stage(pid: int) -> bool:
+    try:
+        return b"stages.train" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def test_a_different_training_config_gets_its_own_run(tmp_path):
     base = parse_params(RUN)
     longer = parse_params({**RUN, "train": {**RUN["train"], "kimg": 10, "log_every_kimg": 1}})
@@ -227,21 +319,82 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+def with_header(payload: bytes) -> bytes:
+    """A checkpoint file around ``payload``, with a valid sha256 header."""
+    return checkpoint.MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+
+
 def test_a_checkpoint_carrying_code_is_refused(tmp_path, caplog):
     run_dir = tmp_path / "run"
-    save_checkpoint({"iteration": 1, "images_seen": 32}, run_dir, 32, keep=5)
+    save_checkpoint(STATE, run_dir, 32, keep=5)
     evil = Payload()
     evil.marker = tmp_path / "pwned"
-    with open(run_dir / checkpoint.checkpoint_name(64), "wb") as f:
-        pickle.dump({"format": 1, "evil": evil}, f)
-    torch_file = run_dir / checkpoint.checkpoint_name(96)
+    # A plain pickle, and a torch file whose header checks out: weights_only refuses both.
+    (run_dir / checkpoint.checkpoint_name(64)).write_bytes(
+        with_header(pickle.dumps({"format": checkpoint.CHECKPOINT_FORMAT, "evil": evil}))
+    )
+    (run_dir / checkpoint.checkpoint_name(96)).write_bytes(
+        with_header(checkpoint.torch_bytes({"format": checkpoint.CHECKPOINT_FORMAT, "e": evil}))
+    )
+    torch_file = tmp_path / "model.pt"
     torch.save({"format": 1, "evil": evil}, torch_file)
     with pytest.raises(pickle.UnpicklingError):
         load(torch_file)
+    with pytest.raises(pickle.UnpicklingError):
+        checkpoint.read_checkpoint(run_dir / checkpoint.checkpoint_name(96))
     state = load_newest_checkpoint(run_dir)
     assert state is not None and state["images_seen"] == 32
     assert not evil.marker.exists(), "the payload ran"
     assert caplog.text.count("cannot be loaded") == 2
+    assert sorted(p.name for p in run_dir.glob("*.corrupt")) == [
+        checkpoint.checkpoint_name(64) + ".corrupt",
+        checkpoint.checkpoint_name(96) + ".corrupt",
+    ]
+
+
+#: The smallest state :func:`checkpoint.read_checkpoint` accepts.
+STATE = {"fingerprint": "f" * 64, "iteration": 1, "images_seen": 32, "g": {}, "d": {}, "g_ema": {}}
+
+
+def test_a_flipped_byte_is_caught_and_the_previous_checkpoint_used(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    save_checkpoint({**STATE, "g": {"w": torch.ones(1000)}}, run_dir, 32, keep=2)
+    newer = save_checkpoint(
+        {**STATE, "images_seen": 64, "g": {"w": torch.ones(1000)}}, run_dir, 64, 2
+    )
+    data = bytearray(newer.read_bytes())
+    data[len(data) // 2] ^= 0x01  # inside the tensor bytes: torch.load alone would not notice
+    newer.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError, match="sha256 mismatch"):
+        checkpoint.read_checkpoint(newer)
+    assert load_newest_checkpoint(run_dir)["images_seen"] == 32
+    assert f"{newer} cannot be loaded" in caplog.text
+    # Moved aside: the next save prunes by age among loadable files only, so keep=1 cannot
+    # delete the good checkpoint and keep the damaged one.
+    save_checkpoint({**STATE, "images_seen": 96}, run_dir, 96, keep=1)
+    assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == [
+        checkpoint.checkpoint_name(96)
+    ]
+
+
+def test_a_checkpoint_of_another_run_is_skipped(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    save_checkpoint(STATE, run_dir, 32, keep=5)
+    save_checkpoint({**STATE, "images_seen": 64, "fingerprint": "e" * 64}, run_dir, 64, keep=5)
+    assert load_newest_checkpoint(run_dir, "f" * 64)["images_seen"] == 32
+    assert "belongs to run eeeeeeeeeeeeeeee" in caplog.text
+    assert load_newest_checkpoint(run_dir, "0" * 64) is None
+
+
+def test_stale_temporaries_of_killed_writes_are_removed(tmp_path, data_dir):
+    params = parse_params({**RUN, "train": {**RUN["train"], "kimg": 0.32}})
+    stale = tmp_path / ".ckpt-000000000032.pt.tmp-4242"
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_bytes(b"half a checkpoint")
+    dataset = LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True)
+    loop.train(params, dataset, torch.device("cpu"), progress=False, run_dir=tmp_path)
+    assert not stale.exists()
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["ckpt-000000000320.pt"]
 
 
 def test_a_diverged_run_keeps_the_last_good_checkpoint(tmp_path, data_dir, monkeypatch):
@@ -269,12 +422,41 @@ def test_a_diverged_run_keeps_the_last_good_checkpoint(tmp_path, data_dir, monke
     ]
 
 
+def test_non_finite_weights_are_never_checkpointed(tmp_path, data_dir, monkeypatch):
+    """The loss of a step is computed before its update: a step that turns the weights
+    non-finite shows a finite loss. The weights are checked before every save."""
+    strategy = loop.STRATEGIES["d_first_detach"]
+    calls = {"n": 0}
+
+    def poisoning(gan, reals, zs):
+        stats = strategy(gan, reals, zs)
+        calls["n"] += 1
+        if calls["n"] == 20:  # after the update of the step that ends with a checkpoint
+            with torch.no_grad():
+                next(loop.dist.unwrap(gan.d).parameters()).fill_(float("inf"))
+        return stats
+
+    monkeypatch.setitem(loop.STRATEGIES, "d_first_detach", poisoning)
+    run_dir = tmp_path / "run"
+    with pytest.raises(FloatingPointError, match="non-finite weights after step 20"):
+        loop.train(
+            parse_params(RUN),
+            LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True),
+            torch.device("cpu"),
+            progress=False,
+            run_dir=run_dir,
+        )
+    assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == [
+        checkpoint.checkpoint_name(320)
+    ]
+
+
 def test_a_full_disk_during_a_save_leaves_the_previous_checkpoints_intact(tmp_path, monkeypatch):
     import errno
 
     run_dir = tmp_path / "run"
     for images in (32, 64):
-        save_checkpoint({"iteration": images // 32, "images_seen": images}, run_dir, images, 5)
+        save_checkpoint({**STATE, "images_seen": images}, run_dir, images, 5)
     before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
 
     def full(fd):
@@ -282,13 +464,49 @@ def test_a_full_disk_during_a_save_leaves_the_previous_checkpoints_intact(tmp_pa
 
     monkeypatch.setattr(checkpoint.os, "fsync", full)
     with pytest.raises(OSError, match="No space left"):
-        save_checkpoint({"iteration": 3, "images_seen": 96}, run_dir, 96, 5)
+        save_checkpoint({**STATE, "images_seen": 96}, run_dir, 96, 5)
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before  # no leftovers
     assert load_newest_checkpoint(run_dir)["images_seen"] == 64
 
 
-def test_resuming_a_finished_run_logs_its_final_record(tmp_path, data_dir):
+def without_measurements(records):
+    """Logged records without perf/* (timings differ from run to run)."""
+    return [
+        (seen, {k: v for k, v in scalars.items() if not k.startswith("perf/")})
+        for seen, scalars in records
+    ]
+
+
+def test_a_resumed_run_writes_the_whole_log_again(tmp_path, data_dir):
+    """DVC clears the log before it reruns the stage: the resumed run's log must hold the
+    records and grids from before the interruption too, as if it had never stopped."""
+    params = parse_params({**RUN, "train": {**RUN["train"], "kimg": 0.96, "log_every_kimg": 0.064}})
+    params = params.model_copy(
+        update={"train": params.train.model_copy(update={"snapshot_kimg": 0.192})}
+    )
+    dataset = LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True)
+    whole = Recorder()
+    loop.train(params, dataset, torch.device("cpu"), whole, False, tmp_path / "a")
+
+    polls = {"n": 0}
+
+    def stop_after_13() -> bool:
+        polls["n"] += 1
+        return polls["n"] == 13
+
+    with pytest.raises(loop.TrainingInterrupted):
+        loop.train(
+            params, dataset, torch.device("cpu"), Recorder(), False, tmp_path / "b", stop_after_13
+        )
+    resumed = Recorder()
+    loop.train(params, dataset, torch.device("cpu"), resumed, False, tmp_path / "b")
+    assert without_measurements(resumed.scalars) == without_measurements(whole.scalars)
+    assert [seen for seen, _ in resumed.grids] == [seen for seen, _ in whole.grids]
+    assert [seen for seen, _ in whole.grids] == [192, 384, 576, 768, 960]
+
+
+def test_resuming_a_finished_run_logs_it_again(tmp_path, data_dir):
     params = parse_params({**RUN, "train": {**RUN["train"], "kimg": 0.64}})
     dataset = LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True)
 
@@ -297,7 +515,8 @@ def test_resuming_a_finished_run_logs_its_final_record(tmp_path, data_dir):
     result = loop.train(
         params, dataset, torch.device("cpu"), again, progress=False, run_dir=tmp_path
     )
-    assert again.scalars == [first.scalars[-1]] and [g[0] for g in again.grids] == [640]
+    assert again.scalars == first.scalars and again.grids == first.grids
+    assert [g[0] for g in again.grids] == [640]
     assert result.images_seen == 640
 
 
@@ -306,3 +525,16 @@ def test_new_code_does_not_resume_an_old_run(monkeypatch):
     before = run_fingerprint(params)[0]
     monkeypatch.setattr(checkpoint, "code_digest", lambda: "0" * 64)
     assert run_fingerprint(params)[0] != before
+
+
+def test_new_data_does_not_resume_an_old_run():
+    params = parse_params(RUN)
+    assert run_fingerprint(params, "a" * 64)[0] != run_fingerprint(params, "b" * 64)[0]
+
+
+def test_the_code_digest_ignores_comments_formatting_and_docstrings():
+    plain = "def f(x):\n    return x + 1\n"
+    dressed = 'def f(x):\n    """Add one."""\n    # why\n    return (x +\n            1)\n'
+    changed = "def f(x):\n    return x + 2\n"
+    assert checkpoint.source_digest(plain) == checkpoint.source_digest(dressed)
+    assert checkpoint.source_digest(plain) != checkpoint.source_digest(changed)

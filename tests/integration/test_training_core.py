@@ -185,7 +185,7 @@ def test_a_non_finite_loss_names_the_step_strategy_and_loss(digits16, monkeypatc
     assert "train.strategy=g_first_detach" in message and "train.loss=hinge" in message
 
 
-def test_fp16_counts_the_steps_the_scaler_skips(digits16, monkeypatch):
+def test_fp16_counts_the_steps_the_scalers_skip(digits16, monkeypatch):
     huge = lambda precision, device: torch.amp.GradScaler(  # noqa: E731
         device.type, init_scale=2.0**100, enabled=precision == "fp16"
     )
@@ -199,10 +199,35 @@ def test_fp16_counts_the_steps_the_scaler_skips(digits16, monkeypatch):
         recorder,
         progress=False,
     )
-    assert result.skipped_steps > 0
+    # 2**100 overflows fp16 at once: both networks skip steps until their scale fits.
+    assert result.skipped_steps["g"] > 0 and result.skipped_steps["d"] > 0
     logged = recorder.scalars[-1][1]
-    assert logged["amp/skipped_steps"] == result.skipped_steps
-    assert logged["amp/scale"] < 2.0**100
+    for net in ("g", "d"):
+        assert logged[f"amp/skipped_steps/{net}"] == result.skipped_steps[net]
+        assert logged[f"amp/scale/{net}"] == 2.0 ** (100 - result.skipped_steps[net])
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_fp16_with_several_critic_steps(digits16, strategy):
+    """Each network's scaler is updated right after its step: D may step n_critic times
+    per iteration (a shared scaler refuses to unscale D's gradients twice before update)."""
+    params = tiny(norm="layer", strategy=strategy, n_critic=2, kimg=0.128)
+    params = params.model_copy(update={"precision": "fp16"})
+    recorder = Recorder()
+    result = loop.train(
+        params,
+        LmdbImageDataset(digits16, as_uint8=True),
+        torch.device("cpu"),
+        recorder,
+        progress=False,
+    )
+    assert result.iterations == 4 and result.images_seen == 128
+    logged = recorder.scalars[-1][1]
+    assert logged["amp/skipped_steps/d"] == result.skipped_steps["d"]
+    # The default scale 2**16 halves once per skipped step (growth needs 2000 good steps).
+    assert logged["amp/scale/d"] == 2.0 ** (16 - result.skipped_steps["d"])
+    assert logged["amp/scale/g"] == 2.0 ** (16 - result.skipped_steps["g"])
+    assert all(torch.isfinite(p).all() for p in result.g.parameters())
 
 
 def test_n_critic_counts_images_shown_to_d(digits16):

@@ -33,7 +33,8 @@ def make_gan(g: nn.Module, d: nn.Module) -> Gan:
         opt_g=torch.optim.SGD(g.parameters(), lr=LR),
         opt_d=torch.optim.SGD(d.parameters(), lr=LR),
         loss=build_loss(TrainParams()),
-        scaler=torch.amp.GradScaler("cpu", enabled=False),
+        scaler_g=torch.amp.GradScaler("cpu", enabled=False),
+        scaler_d=torch.amp.GradScaler("cpu", enabled=False),
         autocast=contextlib.nullcontext,
     )
 
