@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import builtins
 import gzip
+import os
 import pickle
 import struct
 
@@ -241,6 +243,53 @@ def test_loose_images_beside_class_folders_are_ambiguous(tmp_path, class_folder)
     solid_image(class_folder / "loose.png", (0, 0, 0))
     with pytest.raises(SourceError, match="both images"):
         prep(tmp_path, source="folder", path="images", image_size=8)
+
+
+def test_unreadable_class_folder_is_a_source_error_naming_it(tmp_path, class_folder, monkeypatch):
+    # Tests run as root, where chmod does not stop reading: refuse the listing instead.
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if os.fspath(path) == str(class_folder / "dogs"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    for mode in ("error", "skip"):  # never mistaken for an empty class
+        with pytest.raises(SourceError) as info:
+            prep(tmp_path, source="folder", path="images", image_size=8, on_bad_image=mode)
+        message = str(info.value)
+        assert str(class_folder / "dogs") in message
+        assert "Permission denied" in message and "fix its permissions" in message
+    assert not (tmp_path / "out" / "train.lmdb").exists()
+
+
+def deny_reading(monkeypatch, path):
+    """Make ``open(path)`` fail as an unreadable file does (chmod has no effect on root)."""
+    real_open = builtins.open
+
+    def guarded(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and os.fspath(file) == str(path):
+            raise PermissionError(13, "Permission denied", os.fspath(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", guarded)
+
+
+def test_unreadable_image_file_is_a_bad_image(tmp_path, class_folder, monkeypatch):
+    deny_reading(monkeypatch, class_folder / "dogs" / "d1.PNG")
+    with pytest.raises(BadImageError, match="PermissionError.*Permission denied") as info:
+        prep(tmp_path, source="folder", path="images", image_size=8)
+    assert info.value.name == "dogs/d1.PNG"
+    assert "data.on_bad_image=skip" in str(info.value)
+    out, report = prep(tmp_path, source="folder", path="images", image_size=8, on_bad_image="skip")
+    assert sum(report.counts.values()) == 5
+    assert [s["file"] for s in report.skipped] == ["dogs/d1.PNG"]
+    assert "Permission denied" in report.skipped[0]["reason"]
+    recorded = [
+        s for split in ("train", "val") for s in read_meta(out / f"{split}.lmdb")["skipped"]
+    ]
+    assert recorded == report.skipped
 
 
 # --- determinism and atomicity ---------------------------------------------------------
