@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import builtins
 import gzip
+import multiprocessing
 import os
 import pickle
+import re
 import struct
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from ganpipe.data import prepare
 from ganpipe.data.convert import BadImageError
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.prepare import prepare_dataset, split_indices
 from ganpipe.data.sources import SourceError
 from ganpipe.data.store import read_meta
 from ganpipe.params import DataParams
-from tests.conftest import solid_image
+from tests.conftest import random_image, solid_image
 
 
 def prep(tmp_path, seed=0, **data):
@@ -306,6 +309,55 @@ def test_same_inputs_give_identical_files_and_hashes(tmp_path):
         assert a.meta[split]["content_sha256"] == b.meta[split]["content_sha256"]
         assert a.meta[split]["content_sha256"] != c.meta[split]["content_sha256"]
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["train.lmdb", "val.lmdb"]
+
+
+def test_process_pool_and_serial_decoding_write_identical_files(tmp_path, monkeypatch):
+    for i in range(40):
+        random_image(tmp_path / "imgs" / f"class{i % 2}" / f"{i:03d}.png", seed=i, size=(13, 11))
+    monkeypatch.setattr(prepare, "PARALLEL_MIN_FILES", 1)
+    pools = []
+    real_get_context = multiprocessing.get_context
+
+    def get_context(method=None):
+        pools.append(method)
+        return real_get_context(method)
+
+    monkeypatch.setattr(multiprocessing, "get_context", get_context)
+    data = DataParams(source="folder", path="imgs", image_size=8, channels=3)
+    reports = {}
+    for workers in (2, 1):
+        out = tmp_path / f"w{workers}"
+        reports[workers] = prepare_dataset(
+            data, 0, out, root=tmp_path, workers=workers, progress=False
+        )
+        assert pools == ["fork"], f"workers={workers}: the pool is used only with 2 workers"
+    for split in ("train", "val"):
+        assert (tmp_path / "w2" / f"{split}.lmdb" / "data.mdb").read_bytes() == (
+            tmp_path / "w1" / f"{split}.lmdb" / "data.mdb"
+        ).read_bytes()
+        assert read_meta(tmp_path / "w2" / f"{split}.lmdb") == read_meta(
+            tmp_path / "w1" / f"{split}.lmdb"
+        )
+    assert reports[2].counts == reports[1].counts == {"train": 36, "val": 4}
+
+
+def test_default_workers_follow_the_cpu_affinity(monkeypatch):
+    if hasattr(os, "sched_getaffinity"):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5})
+        assert prepare.usable_cpus() == 3
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 7)
+    assert prepare.usable_cpus() == 7
+
+
+def test_progress_bar_shows_rate_and_eta(tmp_path, class_folder, capsys):
+    data = DataParams(source="folder", path="images", image_size=8)
+    prepare_dataset(data, 0, tmp_path / "out", root=tmp_path, progress=True)
+    err = capsys.readouterr().err
+    final = err.replace("\r", "\n").strip().splitlines()[-1]
+    assert re.search(r"prepare: 100%.* 6/6 ", final), final
+    # [elapsed<remaining, rate]
+    assert re.search(r"\[\d{2}:\d{2}<\d{2}:\d{2}, \d+(\.\d+)?img/s\]", final), final
 
 
 def test_split_is_deterministic_and_sized():
