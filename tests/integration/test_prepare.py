@@ -8,19 +8,23 @@ import multiprocessing
 import os
 import pickle
 import re
+import shutil
 import struct
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from ganpipe import runtime
 from ganpipe.data import prepare
 from ganpipe.data.convert import BadImageError
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.prepare import prepare_dataset, split_indices
 from ganpipe.data.sources import SourceError
-from ganpipe.data.store import read_meta
-from ganpipe.params import DataParams
+from ganpipe.data.store import DatasetError, check_pair, read_meta
+from ganpipe.params import DataParams, Params
+from stages import evaluate as evaluate_stage
+from stages import featurenet as featurenet_stage
 from tests.conftest import random_image, solid_image
 
 
@@ -375,6 +379,52 @@ def test_failed_prepare_keeps_the_previous_output(tmp_path, class_folder):
         prep(tmp_path, source="folder", path="images", image_size=8)
     assert (out / "train.lmdb" / "data.mdb").read_bytes() == before
     assert sorted(p.name for p in out.iterdir()) == ["train.lmdb", "val.lmdb"]
+
+
+def test_both_metas_name_the_pair(tmp_path, class_folder):
+    out, report = prep(tmp_path, source="folder", path="images", image_size=8, val_fraction=0.5)
+    train, val = read_meta(out / "train.lmdb"), read_meta(out / "val.lmdb")
+    expected = {"train_sha256": train["content_sha256"], "val_sha256": val["content_sha256"]}
+    assert train["pair"] == val["pair"] == expected
+    assert report.meta["train"]["pair"] == expected
+    check_pair(train, val)
+
+
+def test_a_kill_between_the_two_swaps_leaves_a_pair_that_readers_refuse(
+    tmp_path, class_folder, monkeypatch
+):
+    data = tmp_path / "data"
+    params = DataParams(source="folder", path="images", image_size=8, val_fraction=0.5)
+    prepare_dataset(params, 0, data, root=tmp_path, progress=False)
+    old = {s: read_meta(data / f"{s}.lmdb")["content_sha256"] for s in ("train", "val")}
+    real_replace_dir = prepare.replace_dir
+
+    def replace_then_die(built, final):
+        real_replace_dir(built, final)
+        raise KeyboardInterrupt("killed between the swaps")
+
+    monkeypatch.setattr(prepare, "replace_dir", replace_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_dataset(params, 1, data, root=tmp_path, progress=False)
+    train, val = read_meta(data / "train.lmdb"), read_meta(data / "val.lmdb")
+    assert train["content_sha256"] != old["train"] and val["content_sha256"] == old["val"]
+    with pytest.raises(DatasetError, match="come from different prepare runs"):
+        check_pair(train, val)
+
+    # The stages reading both splits refuse it before any work.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(runtime, "configure_runtime", lambda *args, **kwargs: None)
+    with pytest.raises(DatasetError, match="data/train.lmdb and data/val.lmdb come from"):
+        featurenet_stage.main(Params())
+    with pytest.raises(DatasetError, match="data/train.lmdb and data/val.lmdb come from"):
+        evaluate_stage.check_val_split()
+
+    monkeypatch.setattr(prepare, "replace_dir", real_replace_dir)
+    prepare_dataset(params, 1, data, root=tmp_path, progress=False)
+    check_pair(read_meta(data / "train.lmdb"), read_meta(data / "val.lmdb"))
+    evaluate_stage.check_val_split()
+    shutil.rmtree(data / "train.lmdb")  # evaluate reads only val: no train, nothing to check
+    evaluate_stage.check_val_split()
 
 
 def test_val_fraction_that_leaves_no_training_data(tmp_path):

@@ -2,8 +2,11 @@
 
 Both databases are built in temporary folders beside their final paths and renamed into
 place only when both are complete (meta record written and synced). An interrupted run
-(even SIGKILL) leaves the previous outputs untouched; its leftovers are temporary folders,
-which readers refuse (no meta record) and the next run deletes.
+(even SIGKILL) leaves each previous output either untouched or replaced by its complete
+new version; its leftovers are temporary folders, which readers refuse (no meta record) and
+the next run deletes. The two renames are not one atomic step: a kill between them leaves a
+new train beside the previous val. Both meta records name the pair's content hashes
+(``pair``), and readers of both splits refuse a mismatch (:func:`store.check_pair`).
 """
 
 from __future__ import annotations
@@ -201,11 +204,14 @@ def prepare_dataset(
             },
             "split_rule": {"seed": seed, "val_fraction": data.val_fraction},
         }
+        # Every record is written, so the hashes are final: both metas name the pair.
+        pair = {f"{s}_sha256": writers[s].content_sha256 for s in SPLITS}
         metas = {}
         for split in SPLITS:
             metas[split] = {
                 **base,
                 "split": split,
+                "pair": pair,
                 "class_counts": class_counts[split],
                 "skipped": skipped[split],
             }
