@@ -254,8 +254,9 @@ def validate_overrides(project: Path, overrides: Mapping[str, Any] | None) -> di
 
     The overrides are applied to the project's params.yaml and the result is validated by
     the same schema every stage uses, so a typo or a bad value fails here, naming the key,
-    before any stage runs. The returned values are the schema's (``"0.5"`` for a float
-    key becomes ``0.5``), ready for :func:`write_overrides` or :func:`set_args`.
+    before any stage runs. The returned values are the schema's (``1`` for a float key
+    becomes ``1.0``; types are strict, so a quoted ``"0.5"`` is refused), ready for
+    :func:`write_overrides` or :func:`set_args`.
 
     Raises:
         ParamsError: listing every problem, keys named as in params.yaml.

@@ -2,7 +2,8 @@
 
 Inputs: params ``seed``, ``devices``, ``determinism``, ``eval``; ``models/g_ema.pt``,
 ``data/val.lmdb``, and ``models/featurenet.pt`` (or the local Inception weights file of
-``eval.inception_weights``).
+``eval.inception_weights``). Where ``data/train.lmdb`` is present, its meta record must name
+the same train/val pair as val's (both written by one prepare run).
 Outputs: ``metrics/eval/metrics.json`` (``fid``, ``kid``, ``kid_std``, ``precision``,
 ``recall`` and what they were computed from; written atomically). Real-image features
 are cached in ``.state/feature-cache/``.
@@ -22,12 +23,15 @@ import torch
 from ganpipe import dist, evaluation
 from ganpipe.checkpoint import write_bytes_atomic
 from ganpipe.data.dataset import LmdbImageDataset
+from ganpipe.data.store import check_pair, read_meta
 from ganpipe.params import Params
 from stages import _cli
 from stages._launch import join
 from stages.generate import load_generator
 
 log = logging.getLogger("stages.evaluate")
+TRAIN = Path("data/train.lmdb")
+VAL = Path("data/val.lmdb")
 OUT = Path("metrics/eval/metrics.json")
 CACHE = Path(".state/feature-cache")
 
@@ -39,8 +43,20 @@ def extractor_for(params: Params) -> torch.nn.Module:
     return evaluation.load_featurenet(Path("models/featurenet.pt"))
 
 
+def check_val_split() -> None:
+    """Refuse a val split that is not the pair of the train split beside it, if any.
+
+    Only val is read, but the generator was trained on train: the two must come from one
+    prepare run (see :func:`ganpipe.data.store.check_pair`).
+    """
+    val_meta = read_meta(VAL)
+    if (TRAIN / "data.mdb").exists():
+        check_pair(read_meta(TRAIN), val_meta, TRAIN, VAL)
+
+
 def main(params: Params) -> None:
     cfg = params.eval
+    check_val_split()  # before any process starts or any sample is generated
     context = join(params, "stages.evaluate")
     try:
         began = time.perf_counter()
@@ -60,7 +76,7 @@ def main(params: Params) -> None:
         )
         shards = context.gather_objects(fake)
         if context.is_main:
-            val = LmdbImageDataset("data/val.lmdb")
+            val = LmdbImageDataset(VAL)
             real = evaluation.real_features(
                 extractor,
                 val,

@@ -17,10 +17,13 @@ from pathlib import Path
 from ganpipe import runtime
 from ganpipe.checkpoint import torch_bytes, write_bytes_atomic
 from ganpipe.data.dataset import LmdbImageDataset
+from ganpipe.data.store import check_pair
 from ganpipe.featurenet import record, train_featurenet
 from ganpipe.params import Params
 from stages import _cli
 
+TRAIN = Path("data/train.lmdb")
+VAL = Path("data/val.lmdb")
 WEIGHTS = Path("models/featurenet.pt")
 METRICS = Path("metrics/featurenet.json")
 
@@ -28,8 +31,9 @@ METRICS = Path("metrics/featurenet.json")
 def main(params: Params) -> None:
     runtime.configure_runtime(params.seed, params.devices, params.determinism)
     device = runtime.resolve_device(params.devices)
-    train_set = LmdbImageDataset("data/train.lmdb")
-    val_set = LmdbImageDataset("data/val.lmdb")
+    train_set = LmdbImageDataset(TRAIN)
+    val_set = LmdbImageDataset(VAL)
+    check_pair(train_set.meta, val_set.meta, TRAIN, VAL)
     meta = train_set.meta
     shape = tuple(meta["shape"])
     classes = sum(1 for count in meta["class_counts"] if count > 0)

@@ -15,10 +15,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def stage_env() -> dict[str, str]:
-    """The environment of a stage subprocess: this repo importable, the venv's tools first."""
+    """The environment of a stage subprocess: this repo importable, the venv's tools first.
+
+    ``src`` comes first so that the subprocess imports this tree's ``ganpipe`` even where the
+    venv's editable install points at another checkout (a git worktree).
+    """
     return {
         **os.environ,
-        "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}",
+        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     }
 

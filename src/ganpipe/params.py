@@ -1,9 +1,14 @@
 """The typed schema of params.yaml, and its only reader.
 
 Every section is a frozen pydantic model with ``extra="forbid"``: a typo is an error that
-names the key. :func:`load_params` collects every problem in the file (unknown keys, wrong
-types, out-of-range values, incompatible combinations) and raises one
-:class:`ParamsError` listing them all with their dotted key paths, before any work starts.
+names the key. Types are strict: a quoted number (``image_size: "32"``), a float for an
+integer (``seed: 2.0``) or a word for a boolean (``"yes"``) is an error, not a guess. What
+YAML and ``dvc exp run -S`` legitimately write still validates: an integer for a float
+(``kimg: 5``), a list for a pair (``betas: [0.5, 0.99]``), null for an optional value.
+
+:func:`load_params` collects every problem in the file (unknown keys, wrong types,
+out-of-range values, incompatible combinations) and raises one :class:`ParamsError` listing
+them all with their dotted key paths, before any work starts.
 """
 
 from __future__ import annotations
@@ -14,7 +19,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 #: Image sizes the DCGAN family supports (4x4 core doubled until the output size).
 DCGAN_IMAGE_SIZES = (16, 32, 64)
@@ -31,9 +43,19 @@ class ParamsError(ValueError):
         super().__init__("\n".join(lines))
 
 
+def _list_to_tuple(value: Any) -> Any:
+    # YAML has no tuples: a fixed-length pair arrives as a list, which strict mode refuses.
+    return tuple(value) if isinstance(value, list) else value
+
+
 class _Section(BaseModel):
+    # strict: no str -> number/bool or float -> int coercion (int -> float is still allowed).
     model_config = ConfigDict(
-        extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True
+        extra="forbid",
+        frozen=True,
+        strict=True,
+        allow_inf_nan=False,
+        use_attribute_docstrings=True,
     )
 
 
@@ -189,8 +211,9 @@ class TrainParams(_Section):
     linear, its square root for sqrt."""
     reference_batch: int = Field(64, ge=1)
     """Batch size the learning rates were tuned for (with lr_scaling)."""
-    betas: tuple[
-        Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]
+    betas: Annotated[
+        tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]],
+        BeforeValidator(_list_to_tuple),
     ] = (0.5, 0.999)
     """Adam (beta1, beta2)."""
     ema_kimg: float = Field(10.0, ge=0)
@@ -419,7 +442,22 @@ def _describe(error: Mapping[str, Any]) -> tuple[str, str]:
         return key, str(error["msg"]).removeprefix("Value error, ")
     got = error.get("input")
     shown = "" if isinstance(got, Mapping) else f" (got {got!r})"
-    return key, f"{error['msg']}{shown}"
+    return key, f"{error['msg']}{shown}{_type_hint(kind, got)}"
+
+
+def _type_hint(kind: str, got: Any) -> str:
+    """The fix for a strict-mode type error that YAML quoting or a stray ``.0`` caused."""
+    if kind == "bool_type" and isinstance(got, str):
+        return "; write true or false, without quotes"
+    if kind in ("int_type", "float_type") and isinstance(got, str):
+        try:
+            float(got)
+        except ValueError:
+            return ""
+        return "; write the number without quotes"
+    if kind == "int_type" and isinstance(got, float) and got.is_integer():
+        return f"; write a whole number, e.g. {int(got)}"
+    return ""
 
 
 def parse_params(raw: Any, source: str = "params") -> Params:

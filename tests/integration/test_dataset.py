@@ -8,7 +8,7 @@ import lmdb
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.store import FORMAT, FORMAT_VERSION, DatasetError, LmdbWriter
@@ -75,6 +75,33 @@ def test_dataloader_with_two_workers_reads_everything(db, context):
     expected = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     np.testing.assert_array_equal(got_labels.numpy(), labels)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_distributed_sampler_ranks_split_the_data_exactly(db, context):
+    path, images, labels = db
+    ds = LmdbImageDataset(path)
+    ds[0]  # the parent holds an open handle before the workers start
+    seen = {}
+    for rank in (0, 1):
+        sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=7)
+        sampler.set_epoch(3)
+        loader = DataLoader(
+            ds, batch_size=8, sampler=sampler, num_workers=2, multiprocessing_context=context
+        )
+        batches = list(loader)
+        seen[rank] = list(sampler)
+        got = torch.cat([x for x, _ in batches])
+        got_labels = torch.cat([y for _, y in batches])
+        direct = torch.stack([ds[i][0] for i in seen[rank]])
+        torch.testing.assert_close(got, direct, rtol=0, atol=0)
+        expected = torch.from_numpy(images[seen[rank]]).permute(0, 3, 1, 2).float() / 127.5 - 1
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        np.testing.assert_array_equal(got_labels.numpy(), labels[seen[rank]])
+    assert len(seen[0]) == len(seen[1]) == 25
+    assert not set(seen[0]) & set(seen[1])
+    assert sorted(seen[0] + seen[1]) == list(range(50))
+    assert seen[0] != sorted(seen[0])  # shuffled
 
 
 def test_pickling_drops_the_handle(db):

@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+import builtins
 import gzip
+import multiprocessing
+import os
 import pickle
+import re
+import shutil
 import struct
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from ganpipe import runtime
+from ganpipe.data import prepare
 from ganpipe.data.convert import BadImageError
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.prepare import prepare_dataset, split_indices
 from ganpipe.data.sources import SourceError
-from ganpipe.data.store import read_meta
-from ganpipe.params import DataParams
-from tests.conftest import solid_image
+from ganpipe.data.store import DatasetError, check_pair, read_meta
+from ganpipe.params import DataParams, Params
+from stages import evaluate as evaluate_stage
+from stages import featurenet as featurenet_stage
+from tests.conftest import random_image, solid_image
 
 
 def prep(tmp_path, seed=0, **data):
@@ -243,6 +252,53 @@ def test_loose_images_beside_class_folders_are_ambiguous(tmp_path, class_folder)
         prep(tmp_path, source="folder", path="images", image_size=8)
 
 
+def test_unreadable_class_folder_is_a_source_error_naming_it(tmp_path, class_folder, monkeypatch):
+    # Tests run as root, where chmod does not stop reading: refuse the listing instead.
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if os.fspath(path) == str(class_folder / "dogs"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    for mode in ("error", "skip"):  # never mistaken for an empty class
+        with pytest.raises(SourceError) as info:
+            prep(tmp_path, source="folder", path="images", image_size=8, on_bad_image=mode)
+        message = str(info.value)
+        assert str(class_folder / "dogs") in message
+        assert "Permission denied" in message and "fix its permissions" in message
+    assert not (tmp_path / "out" / "train.lmdb").exists()
+
+
+def deny_reading(monkeypatch, path):
+    """Make ``open(path)`` fail as an unreadable file does (chmod has no effect on root)."""
+    real_open = builtins.open
+
+    def guarded(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and os.fspath(file) == str(path):
+            raise PermissionError(13, "Permission denied", os.fspath(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", guarded)
+
+
+def test_unreadable_image_file_is_a_bad_image(tmp_path, class_folder, monkeypatch):
+    deny_reading(monkeypatch, class_folder / "dogs" / "d1.PNG")
+    with pytest.raises(BadImageError, match="PermissionError.*Permission denied") as info:
+        prep(tmp_path, source="folder", path="images", image_size=8)
+    assert info.value.name == "dogs/d1.PNG"
+    assert "data.on_bad_image=skip" in str(info.value)
+    out, report = prep(tmp_path, source="folder", path="images", image_size=8, on_bad_image="skip")
+    assert sum(report.counts.values()) == 5
+    assert [s["file"] for s in report.skipped] == ["dogs/d1.PNG"]
+    assert "Permission denied" in report.skipped[0]["reason"]
+    recorded = [
+        s for split in ("train", "val") for s in read_meta(out / f"{split}.lmdb")["skipped"]
+    ]
+    assert recorded == report.skipped
+
+
 # --- determinism and atomicity ---------------------------------------------------------
 
 
@@ -257,6 +313,55 @@ def test_same_inputs_give_identical_files_and_hashes(tmp_path):
         assert a.meta[split]["content_sha256"] == b.meta[split]["content_sha256"]
         assert a.meta[split]["content_sha256"] != c.meta[split]["content_sha256"]
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["train.lmdb", "val.lmdb"]
+
+
+def test_process_pool_and_serial_decoding_write_identical_files(tmp_path, monkeypatch):
+    for i in range(40):
+        random_image(tmp_path / "imgs" / f"class{i % 2}" / f"{i:03d}.png", seed=i, size=(13, 11))
+    monkeypatch.setattr(prepare, "PARALLEL_MIN_FILES", 1)
+    pools = []
+    real_get_context = multiprocessing.get_context
+
+    def get_context(method=None):
+        pools.append(method)
+        return real_get_context(method)
+
+    monkeypatch.setattr(multiprocessing, "get_context", get_context)
+    data = DataParams(source="folder", path="imgs", image_size=8, channels=3)
+    reports = {}
+    for workers in (2, 1):
+        out = tmp_path / f"w{workers}"
+        reports[workers] = prepare_dataset(
+            data, 0, out, root=tmp_path, workers=workers, progress=False
+        )
+        assert pools == ["fork"], f"workers={workers}: the pool is used only with 2 workers"
+    for split in ("train", "val"):
+        assert (tmp_path / "w2" / f"{split}.lmdb" / "data.mdb").read_bytes() == (
+            tmp_path / "w1" / f"{split}.lmdb" / "data.mdb"
+        ).read_bytes()
+        assert read_meta(tmp_path / "w2" / f"{split}.lmdb") == read_meta(
+            tmp_path / "w1" / f"{split}.lmdb"
+        )
+    assert reports[2].counts == reports[1].counts == {"train": 36, "val": 4}
+
+
+def test_default_workers_follow_the_cpu_affinity(monkeypatch):
+    if hasattr(os, "sched_getaffinity"):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5})
+        assert prepare.usable_cpus() == 3
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 7)
+    assert prepare.usable_cpus() == 7
+
+
+def test_progress_bar_shows_rate_and_eta(tmp_path, class_folder, capsys):
+    data = DataParams(source="folder", path="images", image_size=8)
+    prepare_dataset(data, 0, tmp_path / "out", root=tmp_path, progress=True)
+    err = capsys.readouterr().err
+    final = err.replace("\r", "\n").strip().splitlines()[-1]
+    assert re.search(r"prepare: 100%.* 6/6 ", final), final
+    # [elapsed<remaining, rate]
+    assert re.search(r"\[\d{2}:\d{2}<\d{2}:\d{2}, \d+(\.\d+)?img/s\]", final), final
 
 
 def test_split_is_deterministic_and_sized():
@@ -274,6 +379,52 @@ def test_failed_prepare_keeps_the_previous_output(tmp_path, class_folder):
         prep(tmp_path, source="folder", path="images", image_size=8)
     assert (out / "train.lmdb" / "data.mdb").read_bytes() == before
     assert sorted(p.name for p in out.iterdir()) == ["train.lmdb", "val.lmdb"]
+
+
+def test_both_metas_name_the_pair(tmp_path, class_folder):
+    out, report = prep(tmp_path, source="folder", path="images", image_size=8, val_fraction=0.5)
+    train, val = read_meta(out / "train.lmdb"), read_meta(out / "val.lmdb")
+    expected = {"train_sha256": train["content_sha256"], "val_sha256": val["content_sha256"]}
+    assert train["pair"] == val["pair"] == expected
+    assert report.meta["train"]["pair"] == expected
+    check_pair(train, val)
+
+
+def test_a_kill_between_the_two_swaps_leaves_a_pair_that_readers_refuse(
+    tmp_path, class_folder, monkeypatch
+):
+    data = tmp_path / "data"
+    params = DataParams(source="folder", path="images", image_size=8, val_fraction=0.5)
+    prepare_dataset(params, 0, data, root=tmp_path, progress=False)
+    old = {s: read_meta(data / f"{s}.lmdb")["content_sha256"] for s in ("train", "val")}
+    real_replace_dir = prepare.replace_dir
+
+    def replace_then_die(built, final):
+        real_replace_dir(built, final)
+        raise KeyboardInterrupt("killed between the swaps")
+
+    monkeypatch.setattr(prepare, "replace_dir", replace_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_dataset(params, 1, data, root=tmp_path, progress=False)
+    train, val = read_meta(data / "train.lmdb"), read_meta(data / "val.lmdb")
+    assert train["content_sha256"] != old["train"] and val["content_sha256"] == old["val"]
+    with pytest.raises(DatasetError, match="come from different prepare runs"):
+        check_pair(train, val)
+
+    # The stages reading both splits refuse it before any work.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(runtime, "configure_runtime", lambda *args, **kwargs: None)
+    with pytest.raises(DatasetError, match="data/train.lmdb and data/val.lmdb come from"):
+        featurenet_stage.main(Params())
+    with pytest.raises(DatasetError, match="data/train.lmdb and data/val.lmdb come from"):
+        evaluate_stage.check_val_split()
+
+    monkeypatch.setattr(prepare, "replace_dir", real_replace_dir)
+    prepare_dataset(params, 1, data, root=tmp_path, progress=False)
+    check_pair(read_meta(data / "train.lmdb"), read_meta(data / "val.lmdb"))
+    evaluate_stage.check_val_split()
+    shutil.rmtree(data / "train.lmdb")  # evaluate reads only val: no train, nothing to check
+    evaluate_stage.check_val_split()
 
 
 def test_val_fraction_that_leaves_no_training_data(tmp_path):

@@ -1,9 +1,9 @@
 """SIGKILL the prepare stage at random moments: never a database a later stage would accept
-other than the previous good one or the complete new one."""
+other than the previous good one or the complete new one, and never a train/val pair of two
+runs that the pair check would accept."""
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
@@ -16,16 +16,16 @@ import pytest
 import yaml
 from PIL import Image
 
-from ganpipe.data.store import DatasetError, read_meta
-from tests.conftest import REPO, dir_digest
+from ganpipe.data.store import DatasetError, check_pair, read_meta
+from tests.conftest import dir_digest
+from tests.helpers import stage_env
 
 
 def run_prepare(project: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
         [sys.executable, "-m", "stages.prepare"],
         cwd=project,
-        env=env,
+        env=stage_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -72,15 +72,22 @@ def test_sigkill_at_random_moments_never_leaves_a_bad_database(tmp_path):
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        states = {}
         for split in ("train", "val"):
             final = project / "data" / f"{split}.lmdb"
             if final.exists():
                 state = dir_digest(final)
                 assert state in (old[split], new[split]), f"{split} after kill at {delay:.2f}s"
-                outcomes.append("new" if state == new[split] else "old")
+                states[split] = "new" if state == new[split] else "old"
                 read_meta(final)  # a present database is always complete
-            else:
-                outcomes.append("missing")
+            outcomes.append(states.get(split, "missing"))
+        if len(states) == 2:
+            metas = [read_meta(project / "data" / f"{s}.lmdb") for s in ("train", "val")]
+            if states["train"] == states["val"]:
+                check_pair(*metas)
+            else:  # killed between the two swaps: the readers of both splits refuse it
+                with pytest.raises(DatasetError, match="different prepare runs"):
+                    check_pair(*metas)
         for leftover in (project / "data").iterdir():
             if leftover.name in ("train.lmdb", "val.lmdb"):
                 continue

@@ -134,19 +134,3 @@ def test_wrong_shape_database_is_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(project)
     with pytest.raises(ValueError, match="run `dvc repro prepare`"):
         train_stage.main(load_params())
-
-
-def test_stage_reports_bad_params_without_traceback(tmp_path):
-    (tmp_path / "params.yaml").write_text("train: {batch_size: 0, strategy: both}\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run(
-        [sys.executable, "-m", "stages.train"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 2
-    assert "train.batch_size" in result.stderr and "train.strategy" in result.stderr
-    assert "Traceback" not in result.stderr
-    assert not (tmp_path / "models").exists()

@@ -103,9 +103,10 @@ def test_stage_outputs_list_samples_and_metrics():
 
 def test_overrides_are_validated_and_normalised(project):
     valid = check_overrides.fn(
-        str(project), {"train.strategy": "g_first_detach", "train.kimg": "0.5", "seed": 3}, None
+        str(project), {"train.strategy": "g_first_detach", "train.kimg": 1, "seed": 3}, None
     )
-    assert valid == {"train.strategy": "g_first_detach", "train.kimg": 0.5, "seed": 3}
+    assert valid == {"train.strategy": "g_first_detach", "train.kimg": 1.0, "seed": 3}
+    assert isinstance(valid["train.kimg"], float)
     assert check_overrides.fn(str(project), None, None) == {}
 
 
@@ -113,6 +114,11 @@ def test_overrides_are_validated_and_normalised(project):
 def test_a_bad_experiment_name_is_refused_before_any_stage(project, name):
     with pytest.raises(ValueError, match="is not a valid experiment name"):
         check_overrides.fn(str(project), {}, name)
+
+
+def test_a_quoted_number_in_an_override_is_refused(project):
+    with pytest.raises(ParamsError, match=r"train.kimg: .*\(got '0.5'\); write the number"):
+        workspace.validate_overrides(project, {"train.kimg": "0.5"})
 
 
 def test_a_typo_in_an_override_names_the_key_and_the_fix(project):

@@ -72,6 +72,13 @@ BAD_PARAMS = [
     ("precision: fp8", "precision", "'fp32', 'bf16' or 'fp16'"),
     ("seed: -1", "seed", "greater than or equal to 0"),
     ("seed: 1.5", "seed", "valid integer"),
+    # Strict types: YAML quoting or a stray .0 is an error, not a silent conversion.
+    ('data: {image_size: "32"}', "data.image_size", "(got '32'); write the number without"),
+    ("train: {kimg: '5'}", "train.kimg", "valid number (got '5'); write the number without"),
+    ("train: {activation_checkpointing: 'yes'}", "train.activation_checkpointing", "true or false"),
+    ("seed: 2.0", "seed", "valid integer (got 2.0); write a whole number, e.g. 2"),
+    ("train: {betas: ['0.5', 0.9]}", "train.betas.0", "valid number"),
+    ("data: {channels: '3'}", "data.channels", "1 or 3"),
     ("model: {norm: weird}", "model.norm", "'batch'"),
     ("model: {z_dim: 0}", "model.z_dim", "greater than or equal to 1"),
     ("devices: {cpu_threads: 0}", "devices.cpu_threads", "greater than or equal to 1"),
@@ -187,6 +194,23 @@ def test_every_field_has_a_docstring():
 
     missing = [name for name, doc in walk(Params) if not doc]
     assert not missing
+
+
+def test_what_yaml_and_dvc_write_still_validates():
+    """Strict types keep the conversions YAML and `dvc exp run -S` legitimately need."""
+    params = parse_params(
+        yaml.safe_load(
+            "train: {lr_g: 1, kimg: 5, betas: [0, 0.9]}\n"
+            "generate: {truncation: 2}\n"
+            "eval: {inception_weights: null}\n"
+            "devices: {gpus: [0, 1], nproc_per_node: 2}\n"
+        )
+    )
+    assert params.train.lr_g == 1.0 and isinstance(params.train.lr_g, float)
+    assert params.train.kimg == 5.0 and params.train.betas == (0.0, 0.9)
+    assert params.generate.truncation == 2.0 and params.eval.inception_weights is None
+    assert params.devices.gpus == [0, 1]
+    assert parse_params({"devices": {"gpus": "all"}}).devices.gpus == "all"
 
 
 def test_yaml_round_trip_of_defaults_validates():

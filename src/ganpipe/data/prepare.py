@@ -2,8 +2,11 @@
 
 Both databases are built in temporary folders beside their final paths and renamed into
 place only when both are complete (meta record written and synced). An interrupted run
-(even SIGKILL) leaves the previous outputs untouched; its leftovers are temporary folders,
-which readers refuse (no meta record) and the next run deletes.
+(even SIGKILL) leaves each previous output either untouched or replaced by its complete
+new version; its leftovers are temporary folders, which readers refuse (no meta record) and
+the next run deletes. The two renames are not one atomic step: a kill between them leaves a
+new train beside the previous val. Both meta records name the pair's content hashes
+(``pair``), and readers of both splits refuse a mismatch (:func:`store.check_pair`).
 """
 
 from __future__ import annotations
@@ -79,6 +82,14 @@ def _decoded(listing: Listing, image_size: int, channels: int, workers: int) -> 
         yield from map(work, items)
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask (taskset, cgroup cpusets), where the
+    platform has one, rather than every core of the machine."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _clear_leftovers(out_dir: Path) -> None:
     for split in SPLITS:
         for stale in out_dir.glob(f".{split}.lmdb*"):
@@ -108,7 +119,8 @@ def prepare_dataset(
         seed: Base seed; it alone chooses the train/val split.
         out_dir: Folder receiving ``train.lmdb`` and ``val.lmdb``.
         root: Folder that relative ``data.path`` values are resolved against.
-        workers: Decoding processes for image folders (default: all cores).
+        workers: Decoding processes for image folders (default: the CPUs this process may
+            use, see :func:`usable_cpus`).
         initial_map_size: LMDB map size to start from (grows on demand); default estimated.
         progress: Show a progress bar.
 
@@ -132,7 +144,7 @@ def prepare_dataset(
             f"data.val_fraction={data.val_fraction} leaves no training image out of "
             f"{len(listing)}; lower it"
         )
-    workers = workers or os.cpu_count() or 1
+    workers = workers or usable_cpus()
     # Each record takes at least one 4 KiB page; the map grows if this guess is short.
     record_bytes = data.image_size**2 * data.channels
     map_size = initial_map_size or max(1 << 20, 2 * len(listing) * (record_bytes + 4096))
@@ -192,11 +204,14 @@ def prepare_dataset(
             },
             "split_rule": {"seed": seed, "val_fraction": data.val_fraction},
         }
+        # Every record is written, so the hashes are final: both metas name the pair.
+        pair = {f"{s}_sha256": writers[s].content_sha256 for s in SPLITS}
         metas = {}
         for split in SPLITS:
             metas[split] = {
                 **base,
                 "split": split,
+                "pair": pair,
                 "class_counts": class_counts[split],
                 "skipped": skipped[split],
             }

@@ -52,10 +52,22 @@ def list_digits() -> Listing:
     )
 
 
+def _unreadable(exc: OSError) -> None:
+    """``os.walk``'s error hook: without it, a folder that cannot be listed looks empty."""
+    raise SourceError(
+        f"folder {exc.filename!r} under data.path cannot be read ({exc.strerror or exc}); "
+        "fix its permissions, or move it out of data.path"
+    ) from exc
+
+
 def _image_files(folder: Path) -> list[Path]:
-    """Image files under ``folder`` (recursive, hidden entries skipped), sorted by path."""
+    """Image files under ``folder`` (recursive, hidden entries skipped), sorted by path.
+
+    Raises:
+        SourceError: a folder under ``folder`` cannot be listed.
+    """
     found = []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+    for dirpath, dirnames, filenames in os.walk(folder, onerror=_unreadable, followlinks=True):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         found += [Path(dirpath, f) for f in filenames if not f.startswith(".") and is_image_name(f)]
     return sorted(found, key=lambda p: p.relative_to(folder).as_posix())

@@ -3,7 +3,9 @@
 Record ``i`` has the key ``b"%08d" % i`` and the value ``label (int32, little-endian)``
 followed by the ``H*W*C`` uint8 pixels in HWC order. Nothing is pickled. The meta record
 (:data:`META_KEY`) is JSON and is written in the last commit: a database without it is
-incomplete and is refused by readers.
+incomplete and is refused by readers. The meta records of a train/val pair both hold the
+pair's content hashes (``pair``), so a reader of both splits can tell that they were
+written by the same prepare run (:func:`check_pair`).
 """
 
 from __future__ import annotations
@@ -163,3 +165,31 @@ def read_meta(path: Path) -> dict[str, Any]:
             "rebuild it with `dvc repro prepare`"
         )
     return meta
+
+
+def check_pair(
+    train_meta: dict[str, Any],
+    val_meta: dict[str, Any],
+    train_path: Path = Path("data/train.lmdb"),
+    val_path: Path = Path("data/val.lmdb"),
+) -> None:
+    """Check that two splits were written by the same prepare run.
+
+    prepare moves train into place, then val; a run killed between the two leaves a new
+    train beside the previous val, each complete by itself. Both meta records name the
+    content hashes of the pair they were written with (``pair``), so a mismatch is seen here.
+
+    Raises:
+        DatasetError: the splits do not belong together (or predate the ``pair`` record).
+    """
+    expected = {
+        "train_sha256": train_meta["content_sha256"],
+        "val_sha256": val_meta["content_sha256"],
+    }
+    if train_meta.get("pair") == expected == val_meta.get("pair"):
+        return
+    if "pair" not in train_meta or "pair" not in val_meta:
+        cause = "were written by a ganpipe without the train/val pair record"
+    else:
+        cause = "come from different prepare runs (an interrupted prepare?)"
+    raise DatasetError(f"{train_path} and {val_path} {cause}; run `dvc repro prepare`")
