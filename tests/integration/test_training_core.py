@@ -112,7 +112,7 @@ def memory_growth(step, steps: int = 300, warmup: int = 30) -> tuple[int, float]
     return live_tensors() - tensors, rss_mb() - rss
 
 
-def training_steps():
+def training_steps(strategy: str = "d_first_detach"):
     params = tiny(ema_kimg=1.0)
     runtime.configure_runtime(params.seed, params.devices, params.determinism)
     gan, ema = loop.build_gan(params, torch.device("cpu"))
@@ -120,7 +120,7 @@ def training_steps():
 
     def step(i):
         z = loop.latents(0, i, 16, 8)
-        STRATEGIES["d_first_detach"](gan, [real], [z])
+        STRATEGIES[strategy](gan, [real], [z])
         ema.update(gan.g, 16)
 
     return step
@@ -135,33 +135,64 @@ def leaky_steps():
     return leaky
 
 
-def growth_in_a_fresh_process(factory: str) -> tuple[int, float]:
-    """``memory_growth`` of ``factory()``'s steps, measured in a new interpreter: in this one,
-    memory freed by earlier tests is reused by the allocator and hides growth from RSS."""
+MEMORY_CASES = {  # name: (factory, its arguments)
+    "d_first_retain": ("training_steps", "d_first_retain"),
+    "d_first_detach": ("training_steps", "d_first_detach"),
+    "g_first_detach": ("training_steps", "g_first_detach"),
+    "leak": ("leaky_steps",),
+}
+
+
+def growth_in_forks() -> dict[str, tuple[int, float]]:
+    """``memory_growth`` of every case, each in a child forked from this process before any
+    case ran: all start from the same clean state, and one import serves them all."""
+    results = {}
+    for name, (factory, *args) in MEMORY_CASES.items():
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            status = 1
+            try:
+                os.write(write, json.dumps(memory_growth(globals()[factory](*args))).encode())
+                status = 0
+            finally:
+                os._exit(status)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            text = pipe.read()
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, name
+        results[name] = tuple(json.loads(text))
+    return results
+
+
+@pytest.fixture(scope="module")
+def memory_growths() -> dict[str, tuple[int, float]]:
+    """``growth_in_forks`` run in a new interpreter: in this one, memory freed by earlier
+    tests is reused by the allocator and hides growth from RSS."""
     code = (
         "import json; from tests.integration import test_training_core as t; "
-        f"print(json.dumps(t.memory_growth(t.{factory}())))"
+        "print(json.dumps(t.growth_in_forks()))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])},
         capture_output=True,
         text=True,
         check=True,
     )
-    tensors, rss = json.loads(out.stdout.splitlines()[-1])
-    return tensors, rss
+    return json.loads(out.stdout.splitlines()[-1])
 
 
-def test_training_and_ema_keep_memory_flat_over_300_steps():
-    tensors, rss = growth_in_a_fresh_process("training_steps")
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_training_and_ema_keep_memory_flat_over_300_steps(memory_growths, strategy):
+    tensors, rss = memory_growths[strategy]
     assert tensors == 0
     assert rss < 20, f"RSS grew by {rss:.1f} MB"
 
 
-def test_the_memory_check_catches_a_leak():
-    tensors, rss = growth_in_a_fresh_process("leaky_steps")
+def test_the_memory_check_catches_a_leak(memory_growths):
+    tensors, rss = memory_growths["leak"]
     assert tensors == 270 and rss > 50
 
 
