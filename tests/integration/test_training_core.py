@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import resource
 import subprocess
@@ -250,6 +251,54 @@ def test_n_critic_counts_images_shown_to_d(digits16):
     assert [seen for seen, _ in recorder.scalars] == [48, 96, 144]
     assert {"grad_norm/d", "grad_norm/g", "d/real", "d/fake"} <= set(recorder.scalars[0][1])
     assert recorder.grids[-1][0] == 144
+
+
+LOGGED_KEYS = {
+    "loss/g",
+    "loss/d",
+    "d/real",
+    "d/fake",
+    "grad_norm/g",
+    "grad_norm/d",
+    "perf/images_per_s",
+    "perf/step_ms",
+    "perf/peak_memory_mb",
+    "kimg",
+    "lr/g",
+    "lr/d",
+}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_logged_scalars_are_exactly_the_documented_keys(digits16, precision):
+    """No amp/* outside fp16; learning rates as configured, scaled by train.lr_scaling."""
+    recorder = Recorder()
+    params = tiny(
+        kimg=0.048,
+        log_every_kimg=0.016,
+        lr_g=4e-4,
+        lr_d=1e-4,
+        lr_scaling="sqrt",
+        reference_batch=64,
+    ).model_copy(update={"precision": precision})
+    loop.train(
+        params,
+        LmdbImageDataset(digits16, as_uint8=True),
+        torch.device("cpu"),
+        recorder,
+        progress=False,
+    )
+    assert [seen for seen, _ in recorder.scalars] == [16, 32, 48]  # logged every 16 images
+    for seen, logged in recorder.scalars:
+        assert set(logged) == LOGGED_KEYS
+        # batch 16 at reference 64 under sqrt scaling: half the configured rates
+        assert logged["lr/g"] == pytest.approx(2e-4, rel=1e-12)
+        assert logged["lr/d"] == pytest.approx(5e-5, rel=1e-12)
+        assert logged["kimg"] == pytest.approx(seen / 1000, rel=1e-12)
+        assert logged["perf/images_per_s"] > 0 and logged["perf/step_ms"] > 0
+        assert logged["perf/peak_memory_mb"] > 0
+        assert all(math.isfinite(value) for value in logged.values())
+        assert logged["grad_norm/g"] > 0 and logged["grad_norm/d"] > 0
 
 
 def test_peak_rss_probe_is_available():
