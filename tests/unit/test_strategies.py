@@ -10,9 +10,10 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from ganpipe import nets
 from ganpipe.instrument import PassCounter
 from ganpipe.losses import bce_d, bce_g, build_loss
-from ganpipe.params import TrainParams
+from ganpipe.params import ModelParams, TrainParams
 from ganpipe.strategies import STRATEGIES, Gan
 
 LR = 0.1
@@ -338,3 +339,40 @@ def test_the_step_check_catches_a_backward_into_both_networks(name):
     leaky = UnrestrictedGan(**vars(make_gan(*tiny_nets())))
     with pytest.raises(AssertionError, match=r"step \d of [GD]: "):
         check_steps(name, 1, leaky)
+
+
+@pytest.mark.parametrize("norm", ["instance", "none"])
+def test_activation_checkpointing_keeps_d_first_retain_exact(norm, monkeypatch):
+    """retain_graph through non-reentrant checkpointed blocks: D's loss backward keeps the
+    shared graph for G's, and three steps end with the weights of the unchecked run."""
+    calls = {"n": 0}
+    real_checkpoint = nets.checkpoint
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return real_checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(nets, "checkpoint", counting)
+    gen = torch.Generator().manual_seed(3)
+    reals = [torch.rand(6, 1, 16, 16, generator=gen, dtype=torch.float64) * 2 - 1 for _ in range(3)]
+    zs = [torch.randn(6, 8, generator=gen, dtype=torch.float64) for _ in range(3)]
+    weights = {}
+    for checkpointing in (False, True):
+        g, d = nets.build_models(
+            ModelParams(z_dim=8, g_width=4, d_width=4, norm=norm),
+            16,
+            1,
+            torch.Generator().manual_seed(0),
+            checkpointing,
+        )
+        g, d = g.double(), d.double()
+        start = [p.detach().clone() for p in [*g.parameters(), *d.parameters()]]
+        gan = make_gan(g, d)
+        for real, z in zip(reals, zs, strict=True):
+            STRATEGIES["d_first_retain"](gan, [real], [z])
+        weights[checkpointing] = [p.detach() for p in [*g.parameters(), *d.parameters()]]
+        moved = [(w - w0).abs().max() for w, w0 in zip(weights[checkpointing], start, strict=True)]
+        assert min(moved) > 0  # every parameter trained
+    assert calls["n"] == 3 * (3 + 3 * 2)  # per step: G's 3 blocks, D's 3 blocks on fake and real
+    for without, with_ in zip(weights[False], weights[True], strict=True):
+        torch.testing.assert_close(with_, without, rtol=0, atol=1e-12)
