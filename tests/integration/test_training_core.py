@@ -301,6 +301,33 @@ def test_logged_scalars_are_exactly_the_documented_keys(digits16, precision):
         assert logged["grad_norm/g"] > 0 and logged["grad_norm/d"] > 0
 
 
+def test_data_loader_workers_give_bit_identical_weights(digits16, monkeypatch):
+    """Batches are functions of the step: two worker processes read the same batches."""
+    workers = []
+    real_loader = loop.DataLoader
+
+    def recording_loader(*args, **kwargs):
+        workers.append(kwargs["num_workers"])
+        return real_loader(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "DataLoader", recording_loader)
+    states = []
+    for num_workers in (0, 2):
+        result = loop.train(
+            tiny(kimg=0.048, num_workers=num_workers),
+            LmdbImageDataset(digits16, as_uint8=True),
+            torch.device("cpu"),
+            progress=False,
+        )
+        nets = {"g": result.g, "d": result.d, "g_ema": result.g_ema}
+        states.append({name: net.state_dict() for name, net in nets.items()})
+    assert workers == [0, 2]
+    for name, state in states[0].items():
+        assert state.keys() == states[1][name].keys()
+        for key, tensor in state.items():
+            assert torch.equal(tensor, states[1][name][key]), (name, key)
+
+
 def test_peak_rss_probe_is_available():
     # The strategies benchmark reads ru_maxrss; make sure this platform reports it.
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0
