@@ -20,14 +20,21 @@ from ganpipe.params import DCGAN_IMAGE_SIZES, ModelParams
 
 
 def _norm(kind: str, channels: int) -> nn.Module:
-    if kind == "batch":
+    if kind in ("batch", "sync_batch"):
+        # sync_batch builds plain BatchNorm: dist.wrap converts it to SyncBatchNorm under DDP.
         return nn.BatchNorm2d(channels)
     if kind == "instance":
         return nn.InstanceNorm2d(channels, affine=True)
     if kind == "layer":
         # GroupNorm with one group normalises over (C, H, W) per sample: LayerNorm for images.
         return nn.GroupNorm(1, channels)
+    assert not _has_norm(kind), kind
     return nn.Identity()
+
+
+def _has_norm(kind: str) -> bool:
+    """Whether ``_norm(kind, ...)`` is a normalisation layer (not the identity)."""
+    return kind in ("batch", "sync_batch", "instance", "layer")
 
 
 def _conv(kind: str, layer: nn.Module) -> nn.Module:
@@ -74,7 +81,7 @@ class DcganGenerator(_Blocks):
     ):
         ups = _num_doublings(image_size)
         widths = [width * 2 ** (ups - 1 - i) for i in range(ups)]  # e.g. 512, 256, 128, 64
-        bias = norm in ("none", "spectral")  # a bias before a norm layer is redundant
+        bias = not _has_norm(norm)  # a bias before a norm layer is redundant
         blocks: list[nn.Module] = [
             nn.Sequential(
                 _conv(norm, nn.ConvTranspose2d(z_dim, widths[0], 4, 1, 0, bias=bias)),
@@ -113,7 +120,7 @@ class DcganDiscriminator(_Blocks):
     ):
         downs = _num_doublings(image_size)
         widths = [width * 2**i for i in range(downs)]  # e.g. 64, 128, 256, 512
-        bias = norm in ("none", "spectral")
+        bias = not _has_norm(norm)
         # No norm on the first layer, as in the paper. Biases only where no norm follows
         # any layer (none, spectral), as in the PyTorch DCGAN example otherwise.
         blocks: list[nn.Module] = [

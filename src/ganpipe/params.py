@@ -356,12 +356,12 @@ def _cross_section_problems(
         train
         and model
         and (train.loss == "wgan_gp" or train.r1_gamma > 0)
-        and (model.norm == "batch")
+        and model.norm in ("batch", "sync_batch")
     ):
         problems.append(
             f"train.loss={train.loss} with train.r1_gamma={train.r1_gamma} penalises D's "
-            "gradient per sample, which BatchNorm (model.norm=batch) mixes across the batch; "
-            "use model.norm layer, instance, spectral or none"
+            f"gradient per sample, which BatchNorm (model.norm={model.norm}) mixes across the "
+            "batch; use model.norm layer, instance, spectral or none"
         )
     if train and devices and train.batch_size % (devices.world_size * train.grad_accum):
         world, parts = devices.world_size, devices.world_size * train.grad_accum

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -53,9 +56,6 @@ def test_cuda_training_is_deterministic(tmp_path, strategy, precision):
 
 
 def run_stage(root, **sections):
-    import subprocess
-    import sys
-
     from tests.helpers import stage_env, write_project
 
     write_project(root, RAW, **sections)
@@ -94,3 +94,58 @@ def test_nccl_two_gpus_is_deterministic(tmp_path, norm):
         assert "rank 1/2 joined (nccl on cuda:1)" in result.stderr
         digests.append(hashlib.sha256((root / "models/g_ema.pt").read_bytes()).hexdigest())
     assert digests[0] == digests[1]
+
+
+NORM_WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    from ganpipe import dist, loop
+    from ganpipe.params import parse_params
+
+    raw, counts = json.loads(sys.argv[1]), {}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    params = parse_params(raw)
+    context = dist.setup(
+        params.devices, rank, int(os.environ["LOCAL_RANK"]), world, torch.device("cuda")
+    )
+    for norm in ("batch", "sync_batch"):
+        raw["model"]["norm"] = norm
+        gan, _ = loop.build_gan(parse_params(raw), context)
+        for name, net in (("g", gan.g), ("d", gan.d)):
+            modules = list(dist.unwrap(net).modules())
+            counts[f"{norm}/{name}"] = {
+                "ddp": net is not dist.unwrap(net),
+                "sync": sum(isinstance(m, torch.nn.SyncBatchNorm) for m in modules),
+                "batch": sum(type(m) is torch.nn.BatchNorm2d for m in modules),
+            }
+    dist.teardown(context)
+    if rank == 0:
+        print(json.dumps(counts))
+    """
+)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_sync_batch_wraps_syncbatchnorm_and_batch_does_not(tmp_path):
+    """Under DDP, norm sync_batch has every BatchNorm of norm batch as SyncBatchNorm."""
+    from tests.helpers import stage_env
+
+    script = tmp_path / "worker.py"
+    script.write_text(NORM_WORKER)
+    raw = json.loads(json.dumps(RAW))
+    raw["devices"].update({"nproc_per_node": 2, "backend": "nccl", "gpus": [0, 1]})
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    out = subprocess.run(
+        [*launcher, str(script), json.dumps(raw)],
+        env=stage_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    counts = json.loads(out.stdout.splitlines()[-1])
+    # 32 pixels: three BatchNorms in G, two in D (no norm on D's first layer)
+    for name, num in (("g", 3), ("d", 2)):
+        assert counts[f"batch/{name}"] == {"ddp": True, "sync": 0, "batch": num}
+        assert counts[f"sync_batch/{name}"] == {"ddp": True, "sync": num, "batch": 0}

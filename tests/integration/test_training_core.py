@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import resource
 import subprocess
@@ -112,7 +113,7 @@ def memory_growth(step, steps: int = 300, warmup: int = 30) -> tuple[int, float]
     return live_tensors() - tensors, rss_mb() - rss
 
 
-def training_steps():
+def training_steps(strategy: str = "d_first_detach"):
     params = tiny(ema_kimg=1.0)
     runtime.configure_runtime(params.seed, params.devices, params.determinism)
     gan, ema = loop.build_gan(params, torch.device("cpu"))
@@ -120,7 +121,7 @@ def training_steps():
 
     def step(i):
         z = loop.latents(0, i, 16, 8)
-        STRATEGIES["d_first_detach"](gan, [real], [z])
+        STRATEGIES[strategy](gan, [real], [z])
         ema.update(gan.g, 16)
 
     return step
@@ -135,33 +136,64 @@ def leaky_steps():
     return leaky
 
 
-def growth_in_a_fresh_process(factory: str) -> tuple[int, float]:
-    """``memory_growth`` of ``factory()``'s steps, measured in a new interpreter: in this one,
-    memory freed by earlier tests is reused by the allocator and hides growth from RSS."""
+MEMORY_CASES = {  # name: (factory, its arguments)
+    "d_first_retain": ("training_steps", "d_first_retain"),
+    "d_first_detach": ("training_steps", "d_first_detach"),
+    "g_first_detach": ("training_steps", "g_first_detach"),
+    "leak": ("leaky_steps",),
+}
+
+
+def growth_in_forks() -> dict[str, tuple[int, float]]:
+    """``memory_growth`` of every case, each in a child forked from this process before any
+    case ran: all start from the same clean state, and one import serves them all."""
+    results = {}
+    for name, (factory, *args) in MEMORY_CASES.items():
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            status = 1
+            try:
+                os.write(write, json.dumps(memory_growth(globals()[factory](*args))).encode())
+                status = 0
+            finally:
+                os._exit(status)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            text = pipe.read()
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, name
+        results[name] = tuple(json.loads(text))
+    return results
+
+
+@pytest.fixture(scope="module")
+def memory_growths() -> dict[str, tuple[int, float]]:
+    """``growth_in_forks`` run in a new interpreter: in this one, memory freed by earlier
+    tests is reused by the allocator and hides growth from RSS."""
     code = (
         "import json; from tests.integration import test_training_core as t; "
-        f"print(json.dumps(t.memory_growth(t.{factory}())))"
+        "print(json.dumps(t.growth_in_forks()))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])},
         capture_output=True,
         text=True,
         check=True,
     )
-    tensors, rss = json.loads(out.stdout.splitlines()[-1])
-    return tensors, rss
+    return json.loads(out.stdout.splitlines()[-1])
 
 
-def test_training_and_ema_keep_memory_flat_over_300_steps():
-    tensors, rss = growth_in_a_fresh_process("training_steps")
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_training_and_ema_keep_memory_flat_over_300_steps(memory_growths, strategy):
+    tensors, rss = memory_growths[strategy]
     assert tensors == 0
     assert rss < 20, f"RSS grew by {rss:.1f} MB"
 
 
-def test_the_memory_check_catches_a_leak():
-    tensors, rss = growth_in_a_fresh_process("leaky_steps")
+def test_the_memory_check_catches_a_leak(memory_growths):
+    tensors, rss = memory_growths["leak"]
     assert tensors == 270 and rss > 50
 
 
@@ -244,6 +276,81 @@ def test_n_critic_counts_images_shown_to_d(digits16):
     assert [seen for seen, _ in recorder.scalars] == [48, 96, 144]
     assert {"grad_norm/d", "grad_norm/g", "d/real", "d/fake"} <= set(recorder.scalars[0][1])
     assert recorder.grids[-1][0] == 144
+
+
+LOGGED_KEYS = {
+    "loss/g",
+    "loss/d",
+    "d/real",
+    "d/fake",
+    "grad_norm/g",
+    "grad_norm/d",
+    "perf/images_per_s",
+    "perf/step_ms",
+    "perf/peak_memory_mb",
+    "kimg",
+    "lr/g",
+    "lr/d",
+}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_logged_scalars_are_exactly_the_documented_keys(digits16, precision):
+    """No amp/* outside fp16; learning rates as configured, scaled by train.lr_scaling."""
+    recorder = Recorder()
+    params = tiny(
+        kimg=0.048,
+        log_every_kimg=0.016,
+        lr_g=4e-4,
+        lr_d=1e-4,
+        lr_scaling="sqrt",
+        reference_batch=64,
+    ).model_copy(update={"precision": precision})
+    loop.train(
+        params,
+        LmdbImageDataset(digits16, as_uint8=True),
+        torch.device("cpu"),
+        recorder,
+        progress=False,
+    )
+    assert [seen for seen, _ in recorder.scalars] == [16, 32, 48]  # logged every 16 images
+    for seen, logged in recorder.scalars:
+        assert set(logged) == LOGGED_KEYS
+        # batch 16 at reference 64 under sqrt scaling: half the configured rates
+        assert logged["lr/g"] == pytest.approx(2e-4, rel=1e-12)
+        assert logged["lr/d"] == pytest.approx(5e-5, rel=1e-12)
+        assert logged["kimg"] == pytest.approx(seen / 1000, rel=1e-12)
+        assert logged["perf/images_per_s"] > 0 and logged["perf/step_ms"] > 0
+        assert logged["perf/peak_memory_mb"] > 0
+        assert all(math.isfinite(value) for value in logged.values())
+        assert logged["grad_norm/g"] > 0 and logged["grad_norm/d"] > 0
+
+
+def test_data_loader_workers_give_bit_identical_weights(digits16, monkeypatch):
+    """Batches are functions of the step: two worker processes read the same batches."""
+    workers = []
+    real_loader = loop.DataLoader
+
+    def recording_loader(*args, **kwargs):
+        workers.append(kwargs["num_workers"])
+        return real_loader(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "DataLoader", recording_loader)
+    states = []
+    for num_workers in (0, 2):
+        result = loop.train(
+            tiny(kimg=0.048, num_workers=num_workers),
+            LmdbImageDataset(digits16, as_uint8=True),
+            torch.device("cpu"),
+            progress=False,
+        )
+        nets = {"g": result.g, "d": result.d, "g_ema": result.g_ema}
+        states.append({name: net.state_dict() for name, net in nets.items()})
+    assert workers == [0, 2]
+    for name, state in states[0].items():
+        assert state.keys() == states[1][name].keys()
+        for key, tensor in state.items():
+            assert torch.equal(tensor, states[1][name][key]), (name, key)
 
 
 def test_peak_rss_probe_is_available():

@@ -75,3 +75,30 @@ def test_ema_follows_the_half_life():
     off = EmaGenerator(g, half_life_kimg=0)
     off.update(g, 64)
     torch.testing.assert_close(next(off.parameters()), next(g.parameters()))
+
+
+def test_sync_batch_builds_the_batch_norm_layers_of_batch():
+    """sync_batch is BatchNorm (converted to SyncBatchNorm by dist.wrap under DDP): same
+    parameters, buffers and initial values as batch, from the same seed."""
+    built = {}
+    for norm in ("batch", "sync_batch"):
+        g, d = build_models(
+            ModelParams(z_dim=8, g_width=4, d_width=4, norm=norm),
+            32,
+            3,
+            torch.Generator().manual_seed(0),
+        )
+        built[norm] = (g, d)
+    for batch, sync in zip(built["batch"], built["sync_batch"], strict=True):
+        want, got = batch.state_dict(), sync.state_dict()
+        assert list(got) == list(want)
+        assert any(k.endswith("running_var") for k in got)
+        for key, tensor in want.items():
+            assert torch.equal(got[key], tensor), key
+        num_bn = sum(isinstance(m, torch.nn.BatchNorm2d) for m in batch.modules())
+        converted = torch.nn.SyncBatchNorm.convert_sync_batchnorm(sync)
+        assert sum(isinstance(m, torch.nn.SyncBatchNorm) for m in converted.modules()) == num_bn
+        assert not any(type(m) is torch.nn.BatchNorm2d for m in converted.modules())
+    g, d = built["batch"]
+    assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in g.modules()) == 3  # 32 px: 3 blocks
+    assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in d.modules()) == 2

@@ -86,6 +86,7 @@ BAD_PARAMS = [
     ("determinism: {cudnn_benchmark: true}", "determinism", "contradicts"),
     ("train: {loss: wgan_gp}", "(top level)", "BatchNorm (model.norm=batch) mixes"),
     ("train: {r1_gamma: 1}\nmodel: {norm: batch}", "(top level)", "train.r1_gamma=1.0"),
+    ("train: {r1_gamma: 1}\nmodel: {norm: sync_batch}", "(top level)", "(model.norm=sync_batch)"),
     (
         "train: {activation_checkpointing: true}\nmodel: {norm: spectral}",
         "(top level)",

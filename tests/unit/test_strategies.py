@@ -10,9 +10,10 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from ganpipe import nets
 from ganpipe.instrument import PassCounter
 from ganpipe.losses import bce_d, bce_g, build_loss
-from ganpipe.params import TrainParams
+from ganpipe.params import ModelParams, TrainParams
 from ganpipe.strategies import STRATEGIES, Gan
 
 LR = 0.1
@@ -236,3 +237,143 @@ def test_gradient_accumulation_differs_from_stepping_per_micro_batch():
         )
     stepped = torch.cat([p.detach().flatten() for p in [*g.parameters(), *d.parameters()]])
     assert (stepped - whole).abs().max() > 1e-4
+
+
+# --- what each optimizer step sees: gradients computed since the previous step ------------
+
+
+def expected_steps(name, g, d, reals, zs):
+    """The optimizer steps of one iteration in order, as (network, its reference gradients)."""
+    gp, dp = params_of(g), params_of(d)
+    steps = []
+    if name == "g_first_detach":
+        gg = g_grads(g, d, gp, dp, zs[0])
+        steps.append(("G", gg))
+        new_gp = sgd(gp, gg)
+        for k, (real, z) in enumerate(zip(reals, zs, strict=True)):
+            dp, gd = d_update(g, d, gp if k == 0 else new_gp, dp, real, z)
+            steps.append(("D", gd))
+        return steps
+    for real, z in zip(reals[:-1], zs[:-1], strict=True):
+        dp, gd = d_update(g, d, gp, dp, real, z)
+        steps.append(("D", gd))
+    if name == "d_first_retain":
+        gg = g_grads(g, d, gp, dp, zs[-1])  # against the D before the last update
+        dp, gd = d_update(g, d, gp, dp, reals[-1], zs[-1])
+        return [*steps, ("D", gd), ("G", gg)]
+    dp, gd = d_update(g, d, gp, dp, reals[-1], zs[-1])
+    return [*steps, ("D", gd), ("G", g_grads(g, d, gp, dp, zs[-1]))]
+
+
+def clone_grad(p: torch.Tensor) -> torch.Tensor | None:
+    return None if p.grad is None else p.grad.clone()
+
+
+def watch_steps(gan: Gan) -> list[dict]:
+    """At each optimizer step: which network steps, how many parameter gradients of G and D
+    were computed since the previous step, and every parameter's ``.grad`` at that moment."""
+    counter = PassCounter(gan.g, gan.d)
+    seen = []
+
+    def before_step(name):
+        def hook(optimizer, args, kwargs):
+            seen.append(
+                {
+                    "net": name,
+                    "computed": dict(counter.param_grads),
+                    "G": {n: clone_grad(p) for n, p in gan.g.named_parameters()},
+                    "D": {n: clone_grad(p) for n, p in gan.d.named_parameters()},
+                }
+            )
+            counter.reset()
+
+        return hook
+
+    gan.opt_g.register_step_pre_hook(before_step("G"))
+    gan.opt_d.register_step_pre_hook(before_step("D"))
+    return seen
+
+
+def check_steps(name: str, n_critic: int, gan: Gan) -> None:
+    """Two iterations; every step matches its reference and saw no foreign gradient."""
+    g, d = gan.g, gan.d
+    num = {"G": len(list(g.parameters())), "D": len(list(d.parameters()))}
+    seen = watch_steps(gan)
+    for seed in (1, 2):
+        reals, zs = batches(n_critic, seed)
+        want = expected_steps(name, copy.deepcopy(g), copy.deepcopy(d), reals, zs)
+        del seen[:]
+        STRATEGIES[name](gan, reals, zs)
+        assert [s["net"] for s in seen] == [net for net, _ in want]
+        for i, (step, (net, grads)) in enumerate(zip(seen, want, strict=True)):
+            # Since the previous step, only the stepping network's parameters got gradients,
+            # each exactly once ...
+            computed = {"G": 0, "D": 0, net: num[net]}
+            if name == "d_first_retain" and i >= len(want) - 2:
+                # ... except in d_first_retain's shared forward: both gradients come before
+                # the last D step, none before G's step.
+                computed = {"G": num["G"], "D": num["D"]} if net == "D" else {"G": 0, "D": 0}
+            assert step["computed"] == computed, f"step {i} of {net}: {step['computed']}"
+            if name == "d_first_retain" and net == "D" and i == len(want) - 2:
+                # the G gradients computed with D's are exactly G's own loss's
+                for n, grad in want[-1][1].items():
+                    torch.testing.assert_close(step["G"][n], grad, rtol=0, atol=1e-12)
+            for n, grad in grads.items():
+                torch.testing.assert_close(step[net][n], grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("n_critic", [1, 3])
+@pytest.mark.parametrize("name", NAMES)
+def test_each_optimizer_step_sees_only_its_own_networks_gradients(name, n_critic):
+    check_steps(name, n_critic, make_gan(*tiny_nets()))
+
+
+class UnrestrictedGan(Gan):
+    """The leak the restriction prevents: backward into every parameter it reaches."""
+
+    def backward(self, loss, net, retain_graph=False):
+        self.scaler.scale(loss).backward(retain_graph=retain_graph)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_step_check_catches_a_backward_into_both_networks(name):
+    leaky = UnrestrictedGan(**vars(make_gan(*tiny_nets())))
+    with pytest.raises(AssertionError, match=r"step \d of [GD]: "):
+        check_steps(name, 1, leaky)
+
+
+@pytest.mark.parametrize("norm", ["instance", "none"])
+def test_activation_checkpointing_keeps_d_first_retain_exact(norm, monkeypatch):
+    """retain_graph through non-reentrant checkpointed blocks: D's loss backward keeps the
+    shared graph for G's, and three steps end with the weights of the unchecked run."""
+    calls = {"n": 0}
+    real_checkpoint = nets.checkpoint
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return real_checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(nets, "checkpoint", counting)
+    gen = torch.Generator().manual_seed(3)
+    reals = [torch.rand(6, 1, 16, 16, generator=gen, dtype=torch.float64) * 2 - 1 for _ in range(3)]
+    zs = [torch.randn(6, 8, generator=gen, dtype=torch.float64) for _ in range(3)]
+    weights = {}
+    for checkpointing in (False, True):
+        g, d = nets.build_models(
+            ModelParams(z_dim=8, g_width=4, d_width=4, norm=norm),
+            16,
+            1,
+            torch.Generator().manual_seed(0),
+            checkpointing,
+        )
+        g, d = g.double(), d.double()
+        start = [p.detach().clone() for p in [*g.parameters(), *d.parameters()]]
+        gan = make_gan(g, d)
+        for real, z in zip(reals, zs, strict=True):
+            STRATEGIES["d_first_retain"](gan, [real], [z])
+        weights[checkpointing] = [p.detach() for p in [*g.parameters(), *d.parameters()]]
+        moved = [(w - w0).abs().max() for w, w0 in zip(weights[checkpointing], start, strict=True)]
+        assert min(moved) > 0  # every parameter trained
+    assert calls["n"] == 3 * (3 + 3 * 2)  # per step: G's 3 blocks, D's 3 blocks on fake and real
+    for without, with_ in zip(weights[False], weights[True], strict=True):
+        torch.testing.assert_close(with_, without, rtol=0, atol=1e-12)
