@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +19,7 @@ from ganpipe.data.prepare import prepare_dataset
 from ganpipe.params import load_params
 from stages import generate as generate_stage
 from stages import train as train_stage
-from tests.conftest import REPO
-from tests.helpers import write_project
+from tests.helpers import stage_env, write_project
 
 TINY = {
     "seed": 3,
@@ -86,7 +84,7 @@ def test_training_is_bit_identical_across_processes(tmp_path):
     digests = []
     for run in ("a", "b"):
         project = make_project(tmp_path / run)
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = stage_env()
         subprocess.run(
             [sys.executable, "-m", "stages.train"],
             cwd=project,
