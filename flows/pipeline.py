@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.exceptions import MissingContextError
@@ -33,6 +32,7 @@ from prefect.runtime import flow_run
 
 from flows import workspace
 from flows.workspace import DvcCommandError
+from ganpipe.params import read_yaml
 from reports.build import ReportError, build_report
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp")
@@ -122,7 +122,7 @@ def publish_run(
     """
     root = Path(project)
     metrics = workspace.dvc_json(["metrics", "show", "--json"], root)
-    params = yaml.safe_load((root / "params.yaml").read_text(encoding="utf-8")) or {}
+    params = read_yaml((root / "params.yaml").read_text(encoding="utf-8")) or {}
     rows = []
     for source, entry in (metrics.get("", {}).get("data") or {}).items():
         for key, value in workspace.flatten(entry.get("data") or {}).items():
@@ -265,7 +265,7 @@ def _parse_set(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep:
         raise argparse.ArgumentTypeError(f"--set {text!r}: expected key=value")
-    return key, yaml.safe_load(value)
+    return key, read_yaml(value)
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from ganpipe.params import ParamsError, parse_params
+from ganpipe.params import ParamsError, parse_params, read_yaml
 
 #: The project this file belongs to (flows/ sits at its root).
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -269,7 +269,7 @@ def validate_overrides(project: Path, overrides: Mapping[str, Any] | None) -> di
             [(str(k), "keys are dotted params names, e.g. train.kimg") for k in bad_keys],
         )
     params_file = project / "params.yaml"
-    raw = yaml.safe_load(params_file.read_text(encoding="utf-8")) or {}
+    raw = read_yaml(params_file.read_text(encoding="utf-8")) or {}
     merged = apply_overrides(raw, overrides)
     valid = parse_params(merged, f"{params_file} with overrides {overrides}")
     normalised = flatten(valid.model_dump(mode="json"))

@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -27,6 +26,8 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+from ruamel.yaml import YAML
+from ruamel.yaml.error import YAMLError
 
 #: Image sizes the DCGAN family supports (4x4 core doubled until the output size).
 DCGAN_IMAGE_SIZES = (16, 32, 64)
@@ -448,7 +449,7 @@ def _describe(error: Mapping[str, Any]) -> tuple[str, str]:
 def _type_hint(kind: str, got: Any) -> str:
     """The fix for a strict-mode type error that YAML quoting or a stray ``.0`` caused."""
     if kind == "bool_type" and isinstance(got, str):
-        return "; write true or false, without quotes"
+        return "; write true or false (without quotes)"
     if kind in ("int_type", "float_type") and isinstance(got, str):
         try:
             float(got)
@@ -494,10 +495,20 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     except FileNotFoundError:
         raise ParamsError(str(path), [("(file)", "not found; run from the repo root")]) from None
     try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+        raw = read_yaml(text)
+    except YAMLError as exc:
         raise ParamsError(str(path), [("(file)", f"not valid YAML: {exc}")]) from None
     return parse_params(raw, str(path))
+
+
+def read_yaml(text: str) -> Any:
+    """Parse params YAML as DVC does (YAML 1.2, ruamel's safe loader).
+
+    So ganpipe validates exactly the values DVC records and ``dvc exp run -S`` writes:
+    ``1e-3`` is a number (PyYAML's YAML 1.1 reads it as a string), ``yes`` is a string, not
+    a boolean, and a key given twice is an error instead of a silent override.
+    """
+    return YAML(typ="safe", pure=True).load(text)
 
 
 def params_digest(section: BaseModel) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from PIL import Image
 from prefect.states import Failed
 
 from flows import report, workspace
-from flows.pipeline import check_overrides, retry_only_transient
+from flows.pipeline import _parse_set, check_overrides, retry_only_transient
 from flows.serve import parse_schedule
 from flows.sweep import DEFAULT_GRID, plan_runs, validate_runs
 from flows.workspace import DvcCommandError
@@ -114,6 +114,13 @@ def test_overrides_are_validated_and_normalised(project):
 def test_a_bad_experiment_name_is_refused_before_any_stage(project, name):
     with pytest.raises(ValueError, match="is not a valid experiment name"):
         check_overrides.fn(str(project), {}, name)
+
+
+def test_command_line_overrides_are_read_as_dvc_reads_them():
+    # `--set train.lr_g=1e-3` is a number, as in `dvc exp run -S train.lr_g=1e-3`.
+    assert _parse_set("train.lr_g=1e-3") == ("train.lr_g", 0.001)
+    assert _parse_set("train.strategy=g_first_detach") == ("train.strategy", "g_first_detach")
+    assert _parse_set("devices.gpus=[0, 1]") == ("devices.gpus", [0, 1])
 
 
 def test_a_quoted_number_in_an_override_is_refused(project):

@@ -122,6 +122,8 @@ BAD_PARAMS = [
     ("train: {lr_scaling: cubic}", "train.lr_scaling", "'none', 'linear' or 'sqrt'"),
     ("generate: {grid_rows: 0}", "generate.grid_rows", "greater than or equal to 1"),
     ("data: 5", "data", "valid dictionary"),
+    ("determinism: {deterministic: yes}", "determinism.deterministic", "write true or false"),
+    ("seed: 1\nseed: 2", "(file)", "duplicate key"),
     ("- a\n- b", "(top level)", "expected a mapping"),
 ]
 
@@ -217,3 +219,13 @@ def test_what_yaml_and_dvc_write_still_validates():
 def test_yaml_round_trip_of_defaults_validates():
     dumped = yaml.safe_dump(Params().model_dump(mode="json"))
     assert parse_params(yaml.safe_load(dumped)) == Params()
+
+
+def test_numbers_are_read_as_dvc_reads_them(tmp_path):
+    """params.yaml is parsed as DVC parses it (YAML 1.2): an exponent without a dot is a
+    number (PyYAML's YAML 1.1 reads ``1e-3`` as a string, which strict types refuse)."""
+    path = tmp_path / "params.yaml"
+    path.write_text("train: {lr_g: 1e-3, lr_d: 2.0e-4, kimg: 5}\n")
+    params = load_params(path)
+    assert params.train.lr_g == 0.001 and params.train.lr_d == 0.0002
+    assert params.train.kimg == 5.0
