@@ -8,7 +8,11 @@ ganpipe's ``loop.train`` (determinism and dvclive logging on) against a loop wri
 way the PyTorch DCGAN example writes it (64x64 RGB, batch 64, widths 64, D first with
 detach, BCE), alternating the two in one process; the ratio is taken within each run.
 
-    python -m benchmarks.strategies [--runs 3] [--steps 30] [--reference-steps 8]
+Part 1b times the three strategies against each other step by step in one process
+(64x64x3, widths 64), which shows their differences through this machine's noise.
+
+    python -m benchmarks.strategies [--runs 3] [--steps 30] [--paired-steps 20]
+        [--reference-steps 16] [--only strategies|paired|versus]
 
 Writes benchmarks/results/strategies.json and prints markdown tables.
 """
@@ -148,6 +152,67 @@ def part1(runs: int, steps: int, threads: int) -> list[dict]:
             }
         )
     return rows
+
+
+# --- part 1b: the strategies against each other, step by step in one process ------------
+
+
+def paired(steps: int, threads: int, warmup: int = 2) -> dict:
+    """Step time of each strategy relative to ``d_first_detach``, 64x64x3 DCGAN (widths 64).
+
+    The three strategies take turns step by step in one process (the order rotating every
+    step), and each ratio is taken between neighbouring steps: load and drift on this shared
+    machine hit the three alike, which separate processes (part 1) cannot promise.
+    """
+    from ganpipe import loop, runtime
+    from ganpipe.params import parse_params
+    from ganpipe.strategies import STRATEGIES
+
+    results = {}
+    for precision in ("fp32", "bf16"):
+        gans = {}
+        for name in STRATEGY_NAMES:
+            params = parse_params(
+                {
+                    "seed": 0,
+                    "precision": precision,
+                    "data": {"image_size": 64, "channels": 3},
+                    "devices": {"cpu_threads": threads},
+                    "model": {"g_width": 64, "d_width": 64, "norm": "batch"},
+                    "train": {"strategy": name, "batch_size": 64},
+                }
+            )
+            runtime.configure_runtime(params.seed, params.devices, params.determinism)
+            gans[name] = loop.build_gan(params, torch.device("cpu"))[0]
+        gen = torch.Generator().manual_seed(0)
+        reals = [torch.rand(64, 3, 64, 64, generator=gen) * 2 - 1 for _ in range(4)]
+        times: dict[str, list[float]] = {name: [] for name in STRATEGY_NAMES}
+        for step in range(warmup + steps):
+            real, z = reals[step % len(reals)], loop.latents(0, step, 64, 100)
+            order = STRATEGY_NAMES[step % 3 :] + STRATEGY_NAMES[: step % 3]
+            for name in order:
+                start = time.perf_counter()
+                STRATEGIES[name](gans[name], [real], [z])
+                times[name].append(time.perf_counter() - start)
+        base = times["d_first_detach"][warmup:]
+        results[precision] = {
+            name: {
+                "step_ms": 1000 * statistics.median(times[name][warmup:]),
+                "ratio_to_d_first_detach": statistics.median(
+                    t / b for t, b in zip(times[name][warmup:], base, strict=True)
+                ),
+            }
+            for name in STRATEGY_NAMES
+        }
+        print(
+            f"paired {precision}: "
+            + ", ".join(
+                f"{n} {r['step_ms']:.0f} ms ({r['ratio_to_d_first_detach']:.3f}x)"
+                for n, r in results[precision].items()
+            ),
+            flush=True,
+        )
+    return {"steps": steps, "warmup": warmup, "precisions": results}
 
 
 # --- part 2: ganpipe's loop vs the classic reference loop -------------------------------
@@ -328,9 +393,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--reference-steps", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--paired-steps", type=int, default=20)
     parser.add_argument(
         "--only",
-        choices=["strategies", "versus"],
+        choices=["strategies", "paired", "versus"],
         help="run one part and update that part of the existing results",
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -341,14 +407,20 @@ def main() -> None:
         return
 
     previous = json.loads(args.out.read_text()) if args.only and args.out.exists() else {}
-    if args.only == "versus":
-        rows = previous["configurations"]
-    else:
+    wanted = {args.only} if args.only else {"strategies", "paired", "versus"}
+    if "strategies" in wanted:
         rows = part1(args.runs, args.steps, args.threads)
-    if args.only == "strategies":
-        versus = previous["versus_reference"]
     else:
+        rows = previous["configurations"]
+    if "paired" in wanted:
+        torch.set_num_threads(args.threads)
+        pairs = paired(args.paired_steps, args.threads)
+    else:
+        pairs = previous.get("paired")
+    if "versus" in wanted:
         versus = part2(args.runs, args.reference_steps, args.threads)
+    else:
+        versus = previous["versus_reference"]
     print()
     print(
         "| strategy | precision | size | act. ckpt | ms/step | images/s | peak RSS (MB) "
@@ -371,8 +443,22 @@ def main() -> None:
         f"{versus['ganpipe_images_per_s']:.1f} vs {versus['reference_images_per_s']:.1f} "
         "images/s"
     )
+    if pairs:
+        print(
+            "\n| strategy | "
+            + " | ".join(f"{p} ms/step (÷ d_first_detach)" for p in pairs["precisions"])
+            + " |"
+        )
+        print("|---|" + "---:|" * len(pairs["precisions"]))
+        for name in STRATEGY_NAMES:
+            cells = [
+                f"{r[name]['step_ms']:.0f} ({r[name]['ratio_to_d_first_detach']:.3f}×)"
+                for r in pairs["precisions"].values()
+            ]
+            print(f"| {name} | " + " | ".join(cells) + " |")
     result = {
         "configurations": rows,
+        "paired": pairs,
         "versus_reference": versus,
         "setup": {
             "model": "DCGAN 32x32x1 widths 32 or 64x64x3 widths 64, batch 64 (part 1); "
