@@ -65,6 +65,15 @@ def start(root: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     )
 
 
+def start_until_a_checkpoint(root: Path) -> subprocess.Popen:
+    """Start the train stage and return once it has written its first checkpoint."""
+    proc = start(root)
+    while not list((root / "checkpoints").glob("*/ckpt-*.pt")):
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.005)
+    return proc
+
+
 def finish(proc: subprocess.Popen) -> str:
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
@@ -212,10 +221,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_non_zero(tmp_path, data_dir):
     reference = project(tmp_path / "reference", data_dir, train=longer)
     finish(start(reference))
     root = project(tmp_path / "stopped", data_dir, train=longer)
-    proc = start(root)
-    while not list((root / "checkpoints").glob("*/ckpt-*.pt")):
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        time.sleep(0.005)
+    proc = start_until_a_checkpoint(root)
     os.killpg(proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
@@ -231,10 +237,7 @@ def test_ctrl_c_stops_two_ddp_processes_with_a_checkpoint(tmp_path, data_dir):
     session of its own) gets it once, through the stage; every rank saves and stops."""
     sections = {"devices": {"nproc_per_node": 2}, "train": {"kimg": 16}}
     root = project(tmp_path / "stopped", data_dir, **sections)
-    proc = start(root)
-    while not list((root / "checkpoints").glob("*/ckpt-*.pt")):
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        time.sleep(0.005)
+    proc = start_until_a_checkpoint(root)
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
@@ -376,8 +379,15 @@ def test_a_diverged_run_keeps_the_last_good_checkpoint(tmp_path, data_dir, monke
 
     monkeypatch.setattr(loop, "to_device_images", poisoned)
     params = parse_params(RUN)  # checkpoints every 10 iterations
-    run_dir = tmp_path / "run"
-    with pytest.raises(FloatingPointError, match="non-finite loss at step 15"):
+    assert_diverges_keeping_the_first_checkpoint(
+        params, data_dir, tmp_path / "run", "non-finite loss at step 15"
+    )
+
+
+def assert_diverges_keeping_the_first_checkpoint(params, data_dir, run_dir, message):
+    """Training stops with ``message``; only the checkpoint of iteration 10 (320 images),
+    made before the divergence, is on disk."""
+    with pytest.raises(FloatingPointError, match=message):
         loop.train(
             params,
             LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True),
@@ -405,18 +415,9 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path, data_dir, monkeypat
         return stats
 
     monkeypatch.setitem(loop.STRATEGIES, "d_first_detach", poisoning)
-    run_dir = tmp_path / "run"
-    with pytest.raises(FloatingPointError, match="non-finite weights after step 20"):
-        loop.train(
-            parse_params(RUN),
-            LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True),
-            torch.device("cpu"),
-            progress=False,
-            run_dir=run_dir,
-        )
-    assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == [
-        checkpoint.checkpoint_name(320)
-    ]
+    assert_diverges_keeping_the_first_checkpoint(
+        parse_params(RUN), data_dir, tmp_path / "run", "non-finite weights after step 20"
+    )
 
 
 def test_a_full_disk_during_a_save_leaves_the_previous_checkpoints_intact(tmp_path, monkeypatch):

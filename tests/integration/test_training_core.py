@@ -47,6 +47,13 @@ def digits16(tmp_path_factory):
     return out / "train.lmdb"
 
 
+def train_recorded(params, db, recorder: Recorder) -> loop.TrainResult:
+    """``loop.train`` on the LMDB ``db`` on CPU, reporting to ``recorder``."""
+    return loop.train(
+        params, LmdbImageDataset(db, as_uint8=True), torch.device("cpu"), recorder, progress=False
+    )
+
+
 WORKER = textwrap.dedent(
     """
     import hashlib, json, sys
@@ -224,13 +231,7 @@ def test_fp16_counts_the_steps_the_scalers_skip(digits16, monkeypatch):
     monkeypatch.setattr(runtime, "grad_scaler", huge)
     params = tiny().model_copy(update={"precision": "fp16"})
     recorder = Recorder()
-    result = loop.train(
-        params,
-        LmdbImageDataset(digits16, as_uint8=True),
-        torch.device("cpu"),
-        recorder,
-        progress=False,
-    )
+    result = train_recorded(params, digits16, recorder)
     # 2**100 overflows fp16 at once: both networks skip steps until their scale fits.
     assert result.skipped_steps["g"] > 0 and result.skipped_steps["d"] > 0
     logged = recorder.scalars[-1][1]
@@ -246,13 +247,7 @@ def test_fp16_with_several_critic_steps(digits16, strategy):
     params = tiny(norm="layer", strategy=strategy, n_critic=2, kimg=0.128)
     params = params.model_copy(update={"precision": "fp16"})
     recorder = Recorder()
-    result = loop.train(
-        params,
-        LmdbImageDataset(digits16, as_uint8=True),
-        torch.device("cpu"),
-        recorder,
-        progress=False,
-    )
+    result = train_recorded(params, digits16, recorder)
     assert result.iterations == 4 and result.images_seen == 128
     logged = recorder.scalars[-1][1]
     assert logged["amp/skipped_steps/d"] == result.skipped_steps["d"]
@@ -265,13 +260,7 @@ def test_fp16_with_several_critic_steps(digits16, strategy):
 def test_n_critic_counts_images_shown_to_d(digits16):
     recorder = Recorder()
     params = tiny(norm="layer", n_critic=3, loss="wgan_gp", kimg=0.144)
-    result = loop.train(
-        params,
-        LmdbImageDataset(digits16, as_uint8=True),
-        torch.device("cpu"),
-        recorder,
-        progress=False,
-    )
+    result = train_recorded(params, digits16, recorder)
     assert result.iterations == 3 and result.images_seen == 144  # 3 x (3 x 16)
     assert [seen for seen, _ in recorder.scalars] == [48, 96, 144]
     assert {"grad_norm/d", "grad_norm/g", "d/real", "d/fake"} <= set(recorder.scalars[0][1])
@@ -306,13 +295,7 @@ def test_logged_scalars_are_exactly_the_documented_keys(digits16, precision):
         lr_scaling="sqrt",
         reference_batch=64,
     ).model_copy(update={"precision": precision})
-    loop.train(
-        params,
-        LmdbImageDataset(digits16, as_uint8=True),
-        torch.device("cpu"),
-        recorder,
-        progress=False,
-    )
+    train_recorded(params, digits16, recorder)
     assert [seen for seen, _ in recorder.scalars] == [16, 32, 48]  # logged every 16 images
     for seen, logged in recorder.scalars:
         assert set(logged) == LOGGED_KEYS
