@@ -464,7 +464,7 @@ def main() -> None:
             "model": "DCGAN 32x32x1 widths 32 or 64x64x3 widths 64, batch 64 (part 1); "
             "64x64x3, widths 64, batch 64 (part 2)",
             "threads": args.threads,
-            "runs": args.runs,
+            "runs": len(rows[0]["runs_step_ms"]),
             "steps": args.steps,
             "peak_memory": "ru_maxrss minus RSS before the first step, per process",
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
