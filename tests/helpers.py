@@ -27,6 +27,18 @@ def stage_env() -> dict[str, str]:
     }
 
 
+def run_stage(root: Path, stage: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m stages.STAGE`` in the project ``root``, output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", f"stages.{stage}"],
+        cwd=root,
+        env=stage_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def sh(args: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
     """Run a command with the venv's tools first, DVC analytics off and a git identity."""
     env = {

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,8 @@ from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.prepare import prepare_dataset
 from ganpipe.featurenet import Embedding, train_featurenet
 from ganpipe.params import DataParams, FeaturenetParams, parse_params
-from tests.helpers import stage_env, write_project
+from tests import helpers
+from tests.helpers import write_project
 
 pytestmark = pytest.mark.slow
 CPU = torch.device("cpu")
@@ -113,14 +112,7 @@ def test_an_untrained_generator_scores_far_worse_than_a_trained_one(
 
 
 def run_stage(root: Path, stage: str) -> str:
-    result = subprocess.run(
-        [sys.executable, "-m", f"stages.{stage}"],
-        cwd=root,
-        env=stage_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = helpers.run_stage(root, stage)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stderr
 

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import yaml
 
 from tests.conftest import REPO, dir_digest
-from tests.helpers import stage_env
+from tests.helpers import run_stage
 
 # stage -> (a bad value in its own section, the key the message must name)
 BAD = {
@@ -43,13 +40,7 @@ def test_stage_reports_bad_params_without_traceback(tmp_path, stage):
         (tmp_path / output).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / output).write_text("previous output\n")
     before = dir_digest(tmp_path)
-    result = subprocess.run(
-        [sys.executable, "-m", f"stages.{stage}"],
-        cwd=tmp_path,
-        env=stage_env(),
-        capture_output=True,
-        text=True,
-    )
+    result = run_stage(tmp_path, stage)
     assert result.returncode == 2, result.stderr
     assert "params.yaml: 2 problem(s)" in result.stderr, result.stderr  # all, at once
     assert f"  - {key}: " in result.stderr and "  - seed: " in result.stderr
