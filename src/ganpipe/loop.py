@@ -173,25 +173,22 @@ def data_position(batches_done: int, num_items: int, batch_size: int) -> dict[st
     return {"epoch": batches_done // per_epoch, "offset": batches_done % per_epoch}
 
 
-def _grid_path(run_dir: Path, images_seen: int) -> Path:
-    return run_dir / "grids" / f"{images_seen:012d}.png"
-
-
 def _save_grid(run_dir: Path, images_seen: int, grid: np.ndarray) -> None:
     """Keep a progress grid beside the checkpoints (the log may be cleared before a resume)."""
     buffer = io.BytesIO()
     Image.fromarray(grid.squeeze(-1) if grid.shape[-1] == 1 else grid).save(buffer, "PNG")
-    checkpoint.write_bytes_atomic(buffer.getvalue(), _grid_path(run_dir, images_seen))
+    path = run_dir / "grids" / f"{images_seen:012d}.png"
+    checkpoint.write_bytes_atomic(buffer.getvalue(), path)
 
 
-def _replay(logger: TrainLogger | None, run_dir: Path, state: dict, images_seen: int) -> None:
-    """Write the log of the run up to the checkpoint again: scalars and progress grids."""
+def _replay(logger: TrainLogger | None, run_dir: Path, state: dict) -> None:
+    """Write the log of the run up to the checkpoint ``state`` again: scalars and grids."""
     if logger is None:
         return
     for seen, scalars in state["log"]:
         logger.log_scalars(seen, scalars)
     for path in sorted((run_dir / "grids").glob("*.png")):
-        if int(path.stem) <= images_seen:
+        if int(path.stem) <= state["images_seen"]:
             grid = np.asarray(Image.open(path))
             logger.log_grid(int(path.stem), grid[..., None] if grid.ndim == 2 else grid)
 
@@ -338,7 +335,7 @@ def train(
             gan, g_ema, context, run_dir, fingerprint, len(dataset), cfg.batch_size, cfg.n_critic
         )
         if resumed is not None:
-            _replay(logger, run_dir, resumed, resumed["images_seen"])
+            _replay(logger, run_dir, resumed)
     start = run.iteration
     strategy = STRATEGIES[cfg.strategy]
     z_dim, per_iteration = params.model.z_dim, cfg.batch_size * cfg.n_critic
@@ -377,6 +374,7 @@ def train(
     )
     batches = iter(loader)
     fixed_z = latents(seed, -1, params.generate.grid_rows**2, z_dim).to(device)
+    keeps_grids = context.is_main and (logger is not None or run_dir is not None)
     track_finite = params.precision != "fp16"
 
     gan.g.train()
@@ -452,7 +450,7 @@ def train(
                     refresh=False,
                 )
                 run.sums, run.last_log, since, timed_from = {}, done, now, done
-            if context.is_main and (done % snapshot_every == 0 or done == iterations):
+            if keeps_grids and (done % snapshot_every == 0 or done == iterations):
                 grid = snapshot(g_ema, fixed_z, params.generate.grid_rows)
                 if logger is not None:
                     logger.log_grid(images_seen, grid)
@@ -479,8 +477,7 @@ def train(
                 )
             if stop:
                 raise TrainingInterrupted(images_seen, path if run_dir is not None else None)
-    skipped = gan.skipped["g"] + gan.skipped["d"]
-    if skipped:
+    if any(gan.skipped.values()):
         log.warning(
             "the fp16 GradScalers skipped %d G and %d D optimizer steps",
             gan.skipped["g"],
