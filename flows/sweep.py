@@ -47,8 +47,14 @@ DEFAULT_BASE: dict[str, Any] = {"train.kimg": 20}
 #: Grid keys that repeat a setting rather than define one; the summary averages over them.
 REPEAT_KEYS = ("seed",)
 FINISHED = ("success", "failed")
-#: Consecutive failed polls of `dvc exp show` tolerated while the queue runs.
+#: Consecutive failed polls of the queue tolerated (and failed `dvc exp show` at the end).
 MAX_POLL_ERRORS = 5
+#: Seconds a `dvc queue status` or `dvc exp show` may take before it is killed and asked again.
+POLL_TIMEOUT_S = 120.0
+#: Seconds unfinished experiments may go without a live queue worker before they count as lost.
+NO_WORKER_GRACE_S = 30.0
+#: How many times lost experiments are queued again before the sweep gives up.
+MAX_REQUEUES = 2
 
 
 def plan_runs(
@@ -114,50 +120,139 @@ def start_workers(project: str, jobs: int) -> None:
 
 @task(task_run_name="wait for experiments")
 def wait_for(
-    project: str, names: list[str], poll_s: float, timeout_s: float
+    project: str,
+    overrides: dict[str, dict[str, Any]],
+    jobs: int,
+    poll_s: float,
+    timeout_s: float,
+    lock_timeout_s: float,
 ) -> dict[str, dict[str, Any]]:
-    """Poll ``dvc exp show --json`` until every named experiment succeeded or failed.
+    """Wait until every named experiment succeeded or failed; return their records.
+
+    Progress is read from ``dvc queue status``, which only reads the queue's own files;
+    ``dvc exp show`` also opens and fetches from the running experiments' temporary copies,
+    so it runs once, at the end. (In one CI run, polling with ``dvc exp show`` went silent
+    for six minutes after both experiments had finished.) Every call is killed and asked
+    again after :data:`POLL_TIMEOUT_S`.
+
+    DVC's queue can lose a task: a worker that is stopping because the queue looked empty
+    takes a task queued at that moment and exits without running it, which then shows as
+    running forever. When unfinished experiments have had no live worker for
+    :data:`NO_WORKER_GRACE_S`, the lost ones are queued again (up to :data:`MAX_REQUEUES`
+    times) and workers started.
 
     Returns:
-        name -> its record from :func:`flows.workspace.experiments` (missing names absent).
+        name -> its record from :func:`flows.workspace.experiments`.
 
     Raises:
         TimeoutError: naming the experiments still queued or running.
+        RuntimeError: experiments lost again after :data:`MAX_REQUEUES` new starts.
     """
     log = run_logger()
+    root = Path(project)
+    names = list(overrides)
     deadline = time.monotonic() + timeout_s
-    last, misses = "", 0
+    last, misses, requeues, idle_since = "", 0, 0, None
     while True:
         try:
-            shown = workspace.dvc_json(["exp", "show", "--json"], Path(project))
+            states = workspace.queue_states(
+                workspace.dvc_output(["queue", "status"], root, POLL_TIMEOUT_S)
+            )
         except workspace.DvcCommandError as exc:
-            # `dvc exp show` can trip over a queue worker's run files appearing or
-            # vanishing ("No such file or directory: .dvc/tmp/exps/run/..."): ask again.
             misses += 1
             if misses > MAX_POLL_ERRORS:
                 raise
             log.warning(
-                "dvc exp show failed (%d/%d), asking again: %s", misses, MAX_POLL_ERRORS, exc
+                "dvc queue status failed (%d/%d), asking again: %s", misses, MAX_POLL_ERRORS, exc
             )
             time.sleep(poll_s)
             continue
         misses = 0
-        found = workspace.experiments(shown)
-        states = {name: (found.get(name) or {}).get("state", "missing") for name in names}
+        states = {name: states.get(name, "missing") for name in names}
         counts = {s: sum(v == s for v in states.values()) for s in sorted(set(states.values()))}
         summary = ", ".join(f"{n} {s}" for s, n in counts.items())
         if summary != last:
             log.info("experiments: %s", summary)
             last = summary
-        if all(state in FINISHED for state in states.values()):
-            return {name: found[name] for name in names}
+        pending = [n for n, s in states.items() if s not in FINISHED]
+        if not pending:
+            break
+        if workspace.queue_workers_alive(root):
+            idle_since = None
+        elif idle_since is None:
+            idle_since = time.monotonic()
+        elif time.monotonic() - idle_since > NO_WORKER_GRACE_S:
+            if requeues == MAX_REQUEUES:
+                raise RuntimeError(
+                    f"DVC's queue lost {', '.join(pending)} again after {requeues} new "
+                    "start(s): no queue worker is running them; see `dvc queue status` and "
+                    "`dvc queue logs NAME`, then run the sweep again"
+                )
+            requeues += 1
+            lost = [n for n in pending if states[n] != "queued"]
+            log.warning(
+                "no DVC queue worker alive for %.0f s with %s unfinished; queueing %s again "
+                "and starting workers (%d/%d)",
+                NO_WORKER_GRACE_S,
+                ", ".join(pending),
+                ", ".join(lost) or "nothing",
+                requeues,
+                MAX_REQUEUES,
+            )
+            requeue(root, {n: overrides[n] for n in lost}, lock_timeout_s)
+            start_workers.fn(project, jobs)
+            idle_since = None
         if time.monotonic() > deadline:
-            pending = [n for n, s in states.items() if s not in FINISHED]
             raise TimeoutError(
                 f"{len(pending)} experiment(s) unfinished after {timeout_s:.0f} s: "
                 f"{', '.join(pending)}; see `dvc queue status` (raise timeout_s for long grids)"
             )
         time.sleep(poll_s)
+    return collect(root, names, poll_s)
+
+
+def requeue(project: Path, overrides: dict[str, dict[str, Any]], lock_timeout_s: float) -> None:
+    """Queue lost experiments again: mark the lost task failed, remove it, queue it anew.
+
+    Like the first queueing, this snapshots the workspace, so it waits for the flow lock.
+    """
+    log = run_logger()
+    with workspace.workspace_lock(project, lock_timeout_s, log.info):
+        for name, values in overrides.items():
+            for command in (["queue", "kill", name], ["queue", "remove", name]):
+                try:
+                    workspace.run_dvc(command, project, log.info)
+                except workspace.DvcCommandError as exc:
+                    log.warning("%s", exc)
+            queue_experiment.fn(str(project), name, values)
+
+
+def collect(project: Path, names: list[str], poll_s: float) -> dict[str, dict[str, Any]]:
+    """The finished experiments' records from ``dvc exp show --json``, asked again on error."""
+    misses = 0
+    while True:
+        try:
+            found = workspace.experiments(
+                workspace.dvc_json(["exp", "show", "--json"], project, POLL_TIMEOUT_S)
+            )
+            break
+        except workspace.DvcCommandError as exc:
+            # It can trip over a queue worker's run files vanishing
+            # ("No such file or directory: .dvc/tmp/exps/run/...").
+            misses += 1
+            if misses > MAX_POLL_ERRORS:
+                raise
+            run_logger().warning(
+                "dvc exp show failed (%d/%d), asking again: %s", misses, MAX_POLL_ERRORS, exc
+            )
+            time.sleep(poll_s)
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise RuntimeError(
+            f"`dvc exp show` lists no experiment named {', '.join(missing)}, although "
+            "`dvc queue status` says it finished; see `dvc queue logs NAME`"
+        )
+    return {name: found[name] for name in names}
 
 
 def failure_reasons(project: Path, names: list[str]) -> dict[str, str]:
@@ -275,7 +370,7 @@ def sweep(
         for name, values in overrides.items():
             queue_experiment.with_options(task_run_name=f"queue {name}")(str(project), name, values)
     start_workers(str(project), jobs)
-    found = wait_for(str(project), list(planned), poll_s, timeout_s)
+    found = wait_for(str(project), overrides, jobs, poll_s, timeout_s, lock_timeout_s)
     context = {
         "sweep": f"`{sweep_name}`, {time.strftime('%Y-%m-%d %H:%M')}",
         "project commit": f"`{_git_commit(project)}` (experiments start from the workspace)",

@@ -76,7 +76,8 @@ def failure_message(command: list[str], returncode: int | None, tail: str) -> st
     if not wanted:
         wanted = lines[-10:]
     shown = " ".join(c for c in command if c not in (sys.executable, "-m"))
-    return "\n".join([*dict.fromkeys(wanted), f"(`{shown}` exited with {returncode})"])
+    ended = "did not run to its end" if returncode is None else f"exited with {returncode}"
+    return "\n".join([*dict.fromkeys(wanted), f"(`{shown}` {ended})"])
 
 
 def is_transient(output: str) -> bool:
@@ -151,16 +152,89 @@ def run_dvc(
     return "\n".join(output)
 
 
-def dvc_json(args: list[str], project: Path) -> Any:
-    """Run a DVC command that prints JSON (``exp show --json``...) and parse its output."""
+def dvc_output(args: list[str], project: Path, timeout_s: float | None = None) -> str:
+    """Run a DVC command that only reports (``exp show``, ``queue status``); return stdout.
+
+    Args:
+        timeout_s: Kill the command (and anything it started) after this many seconds.
+
+    Raises:
+        DvcCommandError: non-zero exit, or killed at ``timeout_s`` (then ``transient``).
+    """
     command = [sys.executable, "-m", "dvc", *args]
-    result = subprocess.run(
-        command, cwd=project, env=dvc_env(), capture_output=True, text=True, check=False
-    )
-    if result.returncode != 0:
-        output = result.stdout + result.stderr
-        raise DvcCommandError(command, result.returncode, output, is_transient(output))
-    return json.loads(result.stdout)
+    with subprocess.Popen(
+        command,
+        cwd=project,
+        env=dvc_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            proc.wait()
+            raise DvcCommandError(
+                command, None, f"no answer after {timeout_s:.0f} s; killed", transient=True
+            ) from None
+    if proc.returncode != 0:
+        output = stdout + stderr
+        raise DvcCommandError(command, proc.returncode, output, is_transient(output))
+    return stdout
+
+
+def dvc_json(args: list[str], project: Path, timeout_s: float | None = None) -> Any:
+    """Run a DVC command that prints JSON (``exp show --json``...) and parse its output."""
+    return json.loads(dvc_output(args, project, timeout_s))
+
+
+#: A task row of ``dvc queue status``: ``<rev> <name> <created> <status>``.
+QUEUE_ROW = re.compile(
+    r"^[0-9a-f]{7,}\s+(?P<name>\S+)\s.*\s(?P<status>Queued|Running|Success|Failed)\s*$"
+)
+#: Which state a name shows when it has several tasks (one lost, then queued again).
+STATE_RANK = {"failed": 0, "success": 1, "queued": 2, "running": 3}
+
+
+def queue_states(status_text: str) -> dict[str, str]:
+    """Name -> ``queued``, ``running``, ``success`` or ``failed``, from ``dvc queue status``.
+
+    A name queued again after a lost task has two rows; the unfinished or successful one
+    counts, not the old failure.
+    """
+    states: dict[str, str] = {}
+    for line in status_text.splitlines():
+        match = QUEUE_ROW.match(line.strip())
+        if match:
+            name, state = match["name"], match["status"].lower()
+            if STATE_RANK[state] >= STATE_RANK.get(states.get(name, "failed"), 0):
+                states[name] = state
+    return states
+
+
+def queue_workers_alive(project: Path) -> int:
+    """How many of ``project``'s DVC queue workers are running.
+
+    ``dvc queue start`` records each worker's pid in ``.dvc/tmp/exps/celery/<worker>.pid``
+    and leaves the file when the worker exits; a pid counts while its process is still a
+    queue worker: not a zombie, not reused by another program (an empty command line, as
+    just after exec, gets the benefit of the doubt).
+    """
+    alive = 0
+    for pid_file in (project / ".dvc" / "tmp" / "exps" / "celery").glob("*.pid"):
+        try:
+            proc = Path("/proc") / str(int(pid_file.read_text()))
+            state = proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmdline = proc.joinpath("cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        alive += state != "Z" and (not cmdline or b"queue-worker" in cmdline)
+    return alive
 
 
 def stage_names(dvc_yaml: Path) -> list[str]:
@@ -340,9 +414,10 @@ def experiments(exp_show: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
     Each record has ``params`` (params.yaml, nested), ``metrics`` (file -> nested values),
     ``state`` (``queued``, ``running``, ``success``, ``failed``; ``success`` for a finished
-    workspace experiment) and ``error``.
+    workspace experiment) and ``error``. Where a name appears twice (a lost queue task and
+    its second run), the record of the later run counts (:data:`STATE_RANK`).
     """
-    found = {}
+    found: dict[str, dict[str, Any]] = {}
     for commit in exp_show:
         for exp in commit.get("experiments") or []:
             executor = exp.get("executor") or {}
@@ -350,6 +425,11 @@ def experiments(exp_show: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 name = rev.get("name") or exp.get("name")
                 data = rev.get("data") or {}
                 error = rev.get("error")
+                state = executor.get("state") or ("failed" if error else "success")
+                if name in found and STATE_RANK.get(found[name]["state"], 0) > STATE_RANK.get(
+                    state, 0
+                ):
+                    continue
                 found[name] = {
                     "params": ((data.get("params") or {}).get("params.yaml") or {}).get("data")
                     or {},
@@ -357,7 +437,7 @@ def experiments(exp_show: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                         path: entry.get("data") or {}
                         for path, entry in (data.get("metrics") or {}).items()
                     },
-                    "state": executor.get("state") or ("failed" if error else "success"),
+                    "state": state,
                     "error": (error or {}).get("msg"),
                     "rev": rev.get("rev"),
                 }

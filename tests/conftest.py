@@ -12,8 +12,9 @@ from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
 # `import prefect` (the flows) creates ~/.prefect unless PREFECT_HOME is set; `make test`
-# sets it, a bare `pytest` gets the same place.
+# sets it, a bare `pytest` gets the same place. Prefect makes only the last folder.
 os.environ.setdefault("PREFECT_HOME", str(REPO / ".state" / "prefect"))
+Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
 
 
 def pytest_collection_modifyitems(config, items):

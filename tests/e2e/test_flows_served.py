@@ -82,7 +82,10 @@ def wait_final(url: str, run_id, timeout_s: float = 300):
             if run.state and run.state.is_final():
                 return run
             time.sleep(1)
-    raise AssertionError(f"flow run {run_id} not finished after {timeout_s} s: {run.state}")
+    raise AssertionError(
+        f"flow run {run_id} not finished after {timeout_s} s: {run.state}; its log:\n"
+        + logs(url, run_id)
+    )
 
 
 def run_and_wait(url: str, deployment: str, parameters: dict, timeout_s: float = 300):

@@ -3,8 +3,12 @@ retry decisions, the sweep plan and its report (tasks called through ``task.fn()
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +16,7 @@ import yaml
 from PIL import Image
 from prefect.states import Failed
 
-from flows import report, workspace
+from flows import report, sweep, workspace
 from flows.pipeline import _parse_set, check_overrides, retry_only_transient
 from flows.serve import parse_schedule
 from flows.sweep import DEFAULT_GRID, plan_runs, validate_runs
@@ -267,6 +271,90 @@ def test_a_bad_combination_stops_the_sweep_before_queueing(project):
         validate_runs.fn(str(project), planned, {"train.kimg": 1})
     assert "sw-wgan_gp" in str(info.value) and "model.norm" in str(info.value)
     assert "sw-bce:" not in str(info.value)
+
+
+# `dvc queue status` of DVC 3.67 after a worker lost r2-a and it was queued again
+QUEUE_STATUS = """Task     Name    Created    Status
+21fe2a0  r2-a    06:02 PM   Queued
+367498f  r2-a    06:00 PM   Failed
+c014440  r2-b    06:00 PM   Success
+9a0b1c2  r3-x    Nov 21     Running
+07079ea  r0-a    05:58 PM   Failed
+
+Worker status: 0 active, 0 idle
+"""
+
+
+def test_queue_status_is_read_per_name_and_a_requeued_name_is_pending():
+    assert workspace.queue_states(QUEUE_STATUS) == {
+        "r2-a": "queued",
+        "r2-b": "success",
+        "r3-x": "running",
+        "r0-a": "failed",
+    }
+
+
+def test_exp_show_keeps_the_later_run_of_a_requeued_name():
+    def rev(name, error=None):
+        return {"name": name, "rev": name, "data": {}, "error": error}
+
+    lost = {"revs": [rev("r2-a", {"msg": "lost"})], "executor": {"state": "failed"}}
+    again = {"revs": [rev("r2-a")], "executor": None}
+    for order in ([again, lost], [lost, again]):
+        found = workspace.experiments([{"experiments": order}])
+        assert found["r2-a"]["state"] == "success", order
+
+
+def test_queue_workers_are_counted_from_their_pid_files(tmp_path):
+    celery = tmp_path / ".dvc" / "tmp" / "exps" / "celery"
+    celery.mkdir(parents=True)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "exp", "queue-worker", "w1"]
+    )
+    try:
+        (celery / "dvc-exp-worker-1.pid").write_text(str(worker.pid))
+        (celery / "dvc-exp-worker-2.pid").write_text(str(os.getpid()))  # not a worker
+        (celery / "dvc-exp-worker-3.pid").write_text("999999999")  # gone
+        assert workspace.queue_workers_alive(tmp_path) == 1
+    finally:
+        worker.kill()
+        worker.wait()
+    assert workspace.queue_workers_alive(tmp_path) == 0
+    assert workspace.queue_workers_alive(tmp_path / "no-project") == 0
+
+
+def test_a_dvc_command_that_never_answers_is_killed_with_what_it_started(tmp_path, monkeypatch):
+    """A hung `dvc exp show` must not hang the sweep: it is killed, children included."""
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\nsleep 60 &\necho $! > {tmp_path}/child\nsleep 60\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(workspace.sys, "executable", str(fake))
+    started = time.monotonic()
+    with pytest.raises(DvcCommandError) as info:
+        workspace.dvc_output(["exp", "show", "--json"], tmp_path, timeout_s=1)
+    assert time.monotonic() - started < 10
+    assert info.value.transient and info.value.returncode is None
+    assert "no answer after 1 s" in str(info.value)
+    child = int((tmp_path / "child").read_text())
+    deadline = time.monotonic() + 5
+    while (
+        Path(f"/proc/{child}").exists() and b"sleep" in Path(f"/proc/{child}/cmdline").read_bytes()
+    ):
+        assert time.monotonic() < deadline, "the command's own child still runs"
+        time.sleep(0.05)
+
+
+def test_experiments_lost_again_and_again_stop_the_sweep(tmp_path, monkeypatch):
+    """No worker ever runs r-a: it is queued again MAX_REQUEUES times, then the sweep fails."""
+    calls = []
+    monkeypatch.setattr(sweep, "NO_WORKER_GRACE_S", 0.0)
+    monkeypatch.setattr(workspace, "dvc_output", lambda *a, **k: "abc1234  r-a  06:00 PM  Running")
+    monkeypatch.setattr(workspace, "queue_workers_alive", lambda root: 0)
+    monkeypatch.setattr(sweep, "requeue", lambda root, lost, timeout: calls.append(sorted(lost)))
+    monkeypatch.setattr(sweep.start_workers, "fn", lambda project, jobs: calls.append(jobs))
+    with pytest.raises(RuntimeError, match="lost r-a again after 2 new start"):
+        sweep.wait_for.fn(str(tmp_path), {"r-a": {"seed": 1}}, 3, 0.0, 60.0, 1.0)
+    assert calls == [["r-a"], 3, ["r-a"], 3]
 
 
 def exp(metrics: dict, state: str = "success") -> dict:
