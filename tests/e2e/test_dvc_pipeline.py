@@ -13,25 +13,11 @@ import yaml
 from PIL import Image
 
 from ganpipe.data.dataset import LmdbImageDataset
+from tests.e2e.conftest import TINY
 from tests.helpers import clone_working_tree, sh
 
 pytestmark = pytest.mark.slow
 
-TINY = {
-    "seed": 1,
-    "data": {"image_size": 32},
-    "devices": {"cpu_threads": 1},
-    "model": {"z_dim": 8, "g_width": 4, "d_width": 4},
-    "train": {"batch_size": 16, "kimg": 0.128, "snapshot_kimg": 0.064, "log_every_kimg": 0.032},
-    "generate": {
-        "grid_rows": 2,
-        "num_images": 4,
-        "interpolation_steps": 3,
-        "interpolation_rows": 2,
-    },
-    "featurenet": {"epochs": 1},
-    "eval": {"num_samples": 64, "kid_subset_size": 32, "kid_subsets": 5, "batch_size": 32},
-}
 STAGES = {"prepare", "featurenet", "train", "generate", "evaluate"}
 
 
@@ -93,10 +79,8 @@ def test_experiment_with_bad_value_fails_naming_the_key(clone):
     assert not list(clone.glob("models/*.pt"))
 
 
-def test_experiments_for_every_strategy_and_loss(clone):
-    sh(["dvc", "repro"], clone)
-    sh(["git", "add", "-A"], clone)
-    sh(["git", "commit", "-qm", "baseline"], clone)
+def test_experiments_for_every_strategy_and_loss(built):
+    clone = built
     runs = [
         ("s-retain", ["-S", "train.strategy=d_first_retain"]),
         ("s-gfirst", ["-S", "train.strategy=g_first_detach"]),
@@ -131,10 +115,8 @@ def test_experiments_for_every_strategy_and_loss(clone):
     assert len({fids[name] for name in ("s-retain", "l-hinge", "l-wgan", "l-r1")}) == 4
 
 
-def test_experiment_with_two_processes(clone):
-    sh(["dvc", "repro"], clone)
-    sh(["git", "add", "-A"], clone)
-    sh(["git", "commit", "-qm", "baseline"], clone)
+def test_experiment_with_two_processes(built):
+    clone = built
     result = sh(
         [
             "dvc",

@@ -19,8 +19,8 @@ import pytest
 from PIL import Image
 
 from flows import service, workspace
-from tests.e2e.test_dvc_pipeline import TINY
-from tests.helpers import clone_working_tree, sh
+from tests.e2e.conftest import TINY, copy_project
+from tests.helpers import sh
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +29,9 @@ INTERVAL_S = 5
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory) -> Path:
-    """A tiny clone, built once and committed: later runs start from a cached baseline."""
-    root = clone_working_tree(tmp_path_factory.mktemp("flows") / "clone", TINY)
-    sh(["dvc", "repro"], root)
-    sh(["git", "add", "-A"], root)
-    sh(["git", "commit", "-qm", "baseline"], root)
-    return root
+def project(tiny_baseline, tmp_path_factory) -> Path:
+    """A copy of the reproduced tiny baseline: later runs start from its cache."""
+    return copy_project(tiny_baseline, tmp_path_factory.mktemp("flows") / "clone")
 
 
 @pytest.fixture(scope="module")
@@ -250,18 +246,21 @@ def test_held_dvc_lock_is_retried_until_free(served, project):
 
 def test_two_runs_at_once_take_turns_on_the_workspace(served, project):
     url, _ = served
-    first = start_run(url, PIPELINE, {"overrides": {"seed": 2}, "exp_name": "flow-a"})
-    second = start_run(
-        url, PIPELINE, {"overrides": {"seed": 3, "data.image_size": 32}, "exp_name": "flow-b"}
-    )
+    # the baseline's data (seed 1, 32 px): prepare and featurenet come from DVC's run cache;
+    # both set every key either changes, as the workspace keeps the last run's params
+    shared = {"seed": 1, "data.image_size": 32}
+    a_set = {**shared, "train.lr_g": 0.001, "train.kimg": 0.128}
+    b_set = {**shared, "train.lr_g": 0.0002, "train.kimg": 0.096}
+    first = start_run(url, PIPELINE, {"overrides": a_set, "exp_name": "flow-a"})
+    second = start_run(url, PIPELINE, {"overrides": b_set, "exp_name": "flow-b"})
     runs = [wait_final(url, first.id), wait_final(url, second.id)]
     assert all(run.state.is_completed() for run in runs), [r.state.message for r in runs]
 
     a, b = experiment(project, "flow-a"), experiment(project, "flow-b")
-    assert a["params"]["seed"] == 2 and b["params"]["seed"] == 3
-    assert b["params"]["data"]["image_size"] == 32
+    assert a["params"]["train"]["lr_g"] == 0.001 and b["params"]["train"]["kimg"] == 0.096
+    assert a["params"]["data"]["image_size"] == b["params"]["data"]["image_size"] == 32
     assert a["metrics"]["metrics/train/metrics.json"]["step"] == 128
-    assert b["metrics"]["metrics/train/metrics.json"]["step"] == 128
+    assert b["metrics"]["metrics/train/metrics.json"]["step"] == 96
     assert "up to date" in sh(["dvc", "status"], project).stdout
 
     # one run's stages all ran before the other's: the flow lock, not luck

@@ -1,0 +1,55 @@
+"""One tiny DVC project, reproduced once per test session and copied by the tests that
+start from a built pipeline (each `dvc repro` of it costs half a minute here)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import clone_working_tree, sh
+
+#: params.yaml updates of the e2e projects: every stage runs in seconds on 1 CPU thread.
+TINY = {
+    "seed": 1,
+    "data": {"image_size": 32},
+    "devices": {"cpu_threads": 1},
+    "model": {"z_dim": 8, "g_width": 4, "d_width": 4},
+    "train": {"batch_size": 16, "kimg": 0.128, "snapshot_kimg": 0.064, "log_every_kimg": 0.032},
+    "generate": {
+        "grid_rows": 2,
+        "num_images": 4,
+        "interpolation_steps": 3,
+        "interpolation_rows": 2,
+    },
+    "featurenet": {"epochs": 1},
+    "eval": {"num_samples": 64, "kid_subset_size": 32, "kid_subsets": 5, "batch_size": 32},
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_baseline(tmp_path_factory) -> Path:
+    """A TINY clone after `dvc repro`, with dvc.lock and the outputs' cache committed."""
+    root = clone_working_tree(tmp_path_factory.mktemp("baseline") / "clone", TINY)
+    sh(["dvc", "repro"], root)
+    sh(["git", "add", "-A"], root)
+    sh(["git", "commit", "-qm", "baseline"], root)
+    return root
+
+
+@pytest.fixture
+def built(tiny_baseline, tmp_path) -> Path:
+    """A copy of the reproduced baseline of this test's own (git, DVC cache, outputs)."""
+    return copy_project(tiny_baseline, tmp_path / "clone")
+
+
+def copy_project(source: Path, destination: Path) -> Path:
+    """Copy a DVC project but its ``.dvc/tmp`` (locks, and a state database keyed by path)."""
+    dvc_dir = source / ".dvc"
+
+    def ignore(folder: str, names: list[str]) -> list[str]:
+        return ["tmp"] if Path(folder) == dvc_dir else []
+
+    shutil.copytree(source, destination, symlinks=True, ignore=ignore)
+    return destination
