@@ -30,9 +30,13 @@ TINY = {
 
 @pytest.fixture(scope="session")
 def tiny_baseline(tmp_path_factory) -> Path:
-    """A TINY clone after `dvc repro`, with dvc.lock and the outputs' cache committed."""
+    """A TINY clone after `dvc repro`, with dvc.lock and the outputs' cache committed.
+
+    Tests only read it (or copy it); what that `dvc repro` printed is ``../first-repro.txt``.
+    """
     root = clone_working_tree(tmp_path_factory.mktemp("baseline") / "clone", TINY)
-    sh(["dvc", "repro"], root)
+    first = sh(["dvc", "repro"], root)
+    (root.parent / "first-repro.txt").write_text(first.stdout)
     sh(["git", "add", "-A"], root)
     sh(["git", "commit", "-qm", "baseline"], root)
     return root
