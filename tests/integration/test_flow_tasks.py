@@ -96,7 +96,7 @@ def wait_until(condition, timeout_s: float, what: str):
 def test_an_experiment_lost_by_its_queue_worker_is_queued_again(queue_project, monkeypatch, caplog):
     """The worker dies while running q-a (as when DVC's worker stops while taking a task):
     q-a shows as running with no worker; the sweep queues it again and it completes."""
-    monkeypatch.setattr(sweep, "NO_WORKER_GRACE_S", 2.0)
+    monkeypatch.setattr(sweep, "NO_WORKER_GRACE_S", 5.0)
     overrides = {"q-a": {"value": 7}}
     sweep.queue_experiment.fn(str(queue_project), "q-a", overrides["q-a"])
     sweep.start_workers.fn(str(queue_project), 1)
