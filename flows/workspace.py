@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -177,7 +178,7 @@ def dvc_output(args: list[str], project: Path, timeout_s: float | None = None) -
             stdout, stderr = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, 9)
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise DvcCommandError(
                 command, None, f"no answer after {timeout_s:.0f} s; killed", transient=True
@@ -197,7 +198,8 @@ def dvc_json(args: list[str], project: Path, timeout_s: float | None = None) -> 
 QUEUE_ROW = re.compile(
     r"^[0-9a-f]{7,}\s+(?P<name>\S+)\s.*\s(?P<status>Queued|Running|Success|Failed)\s*$"
 )
-#: Which state a name shows when it has several tasks (one lost, then queued again).
+#: Which state a name shows when it has several tasks (one lost, then queued again). A
+#: success is never the older one: DVC refuses to queue a name that already succeeded.
 STATE_RANK = {"failed": 0, "success": 1, "queued": 2, "running": 3}
 
 
