@@ -152,23 +152,10 @@ def wait_for(
     root = Path(project)
     names = list(overrides)
     deadline = time.monotonic() + timeout_s
-    last, misses, requeues, idle_since = "", 0, 0, None
+    last, requeues, idle_since = "", 0, None
     while True:
-        try:
-            states = workspace.queue_states(
-                workspace.dvc_output(["queue", "status"], root, POLL_TIMEOUT_S)
-            )
-        except workspace.DvcCommandError as exc:
-            misses += 1
-            if misses > MAX_POLL_ERRORS:
-                raise
-            log.warning(
-                "dvc queue status failed (%d/%d), asking again: %s", misses, MAX_POLL_ERRORS, exc
-            )
-            time.sleep(poll_s)
-            continue
-        misses = 0
-        states = {name: states.get(name, "missing") for name in names}
+        queued = workspace.queue_states(ask_dvc(["queue", "status"], root, poll_s))
+        states = {name: queued.get(name, "missing") for name in names}
         counts = {s: sum(v == s for v in states.values()) for s in sorted(set(states.values()))}
         summary = ", ".join(f"{n} {s}" for s, n in counts.items())
         if summary != last:
@@ -228,24 +215,8 @@ def requeue(project: Path, overrides: dict[str, dict[str, Any]], lock_timeout_s:
 
 
 def collect(project: Path, names: list[str], poll_s: float) -> dict[str, dict[str, Any]]:
-    """The finished experiments' records from ``dvc exp show --json``, asked again on error."""
-    misses = 0
-    while True:
-        try:
-            found = workspace.experiments(
-                workspace.dvc_json(["exp", "show", "--json"], project, POLL_TIMEOUT_S)
-            )
-            break
-        except workspace.DvcCommandError as exc:
-            # It can trip over a queue worker's run files vanishing
-            # ("No such file or directory: .dvc/tmp/exps/run/...").
-            misses += 1
-            if misses > MAX_POLL_ERRORS:
-                raise
-            run_logger().warning(
-                "dvc exp show failed (%d/%d), asking again: %s", misses, MAX_POLL_ERRORS, exc
-            )
-            time.sleep(poll_s)
+    """The finished experiments' records from ``dvc exp show --json``."""
+    found = workspace.experiments(json.loads(ask_dvc(["exp", "show", "--json"], project, poll_s)))
     missing = [n for n in names if n not in found]
     if missing:
         raise RuntimeError(
@@ -253,6 +224,27 @@ def collect(project: Path, names: list[str], poll_s: float) -> dict[str, dict[st
             "`dvc queue status` says it finished; see `dvc queue logs NAME`"
         )
     return {name: found[name] for name in names}
+
+
+def ask_dvc(args: list[str], project: Path, poll_s: float) -> str:
+    """Output of a reporting DVC command, asked again (``poll_s`` apart) while it fails.
+
+    Each try is killed after :data:`POLL_TIMEOUT_S`. A failure can be passing: ``dvc exp
+    show`` trips over a queue worker's run files vanishing ("No such file or directory:
+    .dvc/tmp/exps/run/..."). The error of the try after :data:`MAX_POLL_ERRORS` is raised.
+    """
+    misses = 0
+    while True:
+        try:
+            return workspace.dvc_output(args, project, POLL_TIMEOUT_S)
+        except workspace.DvcCommandError as exc:
+            misses += 1
+            if misses > MAX_POLL_ERRORS:
+                raise
+            run_logger().warning(
+                "dvc %s failed (%d/%d), asking again: %s", args[0], misses, MAX_POLL_ERRORS, exc
+            )
+            time.sleep(poll_s)
 
 
 def failure_reasons(project: Path, names: list[str]) -> dict[str, str]:

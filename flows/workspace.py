@@ -189,9 +189,9 @@ def dvc_output(args: list[str], project: Path, timeout_s: float | None = None) -
     return stdout
 
 
-def dvc_json(args: list[str], project: Path, timeout_s: float | None = None) -> Any:
-    """Run a DVC command that prints JSON (``exp show --json``...) and parse its output."""
-    return json.loads(dvc_output(args, project, timeout_s))
+def dvc_json(args: list[str], project: Path) -> Any:
+    """Run a DVC command that prints JSON (``metrics show --json``...) and parse its output."""
+    return json.loads(dvc_output(args, project))
 
 
 #: A task row of ``dvc queue status``: ``<rev> <name> <created> <status>``.
