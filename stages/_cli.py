@@ -13,6 +13,10 @@ from ganpipe.data.sources import SourceError
 from ganpipe.data.store import DatasetError
 from ganpipe.params import Params, ParamsError, load_params
 
+#: The splits the prepare stage writes (dvc.yaml outs), read by featurenet, train, evaluate.
+TRAIN_LMDB = Path("data/train.lmdb")
+VAL_LMDB = Path("data/val.lmdb")
+
 #: Errors caused by the user's params or files: reported in one message, exit status 2.
 USER_ERRORS = (
     ParamsError,

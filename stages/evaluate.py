@@ -26,12 +26,11 @@ from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.store import check_pair, read_meta
 from ganpipe.params import Params
 from stages import _cli
+from stages._cli import TRAIN_LMDB, VAL_LMDB
 from stages._launch import join
 from stages.generate import load_generator
 
 log = logging.getLogger("stages.evaluate")
-TRAIN = Path("data/train.lmdb")
-VAL = Path("data/val.lmdb")
 OUT = Path("metrics/eval/metrics.json")
 CACHE = Path(".state/feature-cache")
 
@@ -49,9 +48,9 @@ def check_val_split() -> None:
     Only val is read, but the generator was trained on train: the two must come from one
     prepare run (see :func:`ganpipe.data.store.check_pair`).
     """
-    val_meta = read_meta(VAL)
-    if (TRAIN / "data.mdb").exists():
-        check_pair(read_meta(TRAIN), val_meta, TRAIN, VAL)
+    val_meta = read_meta(VAL_LMDB)
+    if (TRAIN_LMDB / "data.mdb").exists():
+        check_pair(read_meta(TRAIN_LMDB), val_meta, TRAIN_LMDB, VAL_LMDB)
 
 
 def main(params: Params) -> None:
@@ -76,7 +75,7 @@ def main(params: Params) -> None:
         )
         shards = context.gather_objects(fake)
         if context.is_main:
-            val = LmdbImageDataset(VAL)
+            val = LmdbImageDataset(VAL_LMDB)
             real = evaluation.real_features(
                 extractor,
                 val,

@@ -21,9 +21,8 @@ from ganpipe.data.store import check_pair
 from ganpipe.featurenet import record, train_featurenet
 from ganpipe.params import Params
 from stages import _cli
+from stages._cli import TRAIN_LMDB, VAL_LMDB
 
-TRAIN = Path("data/train.lmdb")
-VAL = Path("data/val.lmdb")
 WEIGHTS = Path("models/featurenet.pt")
 METRICS = Path("metrics/featurenet.json")
 
@@ -31,9 +30,9 @@ METRICS = Path("metrics/featurenet.json")
 def main(params: Params) -> None:
     runtime.configure_runtime(params.seed, params.devices, params.determinism)
     device = runtime.resolve_device(params.devices)
-    train_set = LmdbImageDataset(TRAIN)
-    val_set = LmdbImageDataset(VAL)
-    check_pair(train_set.meta, val_set.meta, TRAIN, VAL)
+    train_set = LmdbImageDataset(TRAIN_LMDB)
+    val_set = LmdbImageDataset(VAL_LMDB)
+    check_pair(train_set.meta, val_set.meta, TRAIN_LMDB, VAL_LMDB)
     meta = train_set.meta
     shape = tuple(meta["shape"])
     classes = sum(1 for count in meta["class_counts"] if count > 0)

@@ -32,6 +32,7 @@ from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.loop import TrainingInterrupted, train
 from ganpipe.params import Params
 from stages import _cli
+from stages._cli import TRAIN_LMDB
 from stages._launch import join
 
 log = logging.getLogger("stages.train")
@@ -111,7 +112,7 @@ class StopRequest:
 def main(params: Params) -> None:
     context = join(params, "stages.train")
     try:
-        dataset = LmdbImageDataset("data/train.lmdb", as_uint8=True)
+        dataset = LmdbImageDataset(TRAIN_LMDB, as_uint8=True)
         if list(dataset.meta["shape"]) != [params.data.image_size] * 2 + [params.data.channels]:
             raise ValueError(
                 f"data/train.lmdb holds {dataset.meta['shape']} images but params say "
