@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import shutil
 import tempfile
 from pathlib import Path
@@ -10,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torchvision.utils import make_grid
 from tqdm import tqdm
 
 from ganpipe import runtime
@@ -23,9 +23,29 @@ def to_uint8(images: torch.Tensor) -> torch.Tensor:
     return images.float().add(1).mul(127.5).round().clamp(0, 255).to(torch.uint8)
 
 
-def image_grid(images: torch.Tensor, rows: int) -> np.ndarray:
-    """A grid (HWC uint8, 2-pixel black padding) of ``[-1, 1]`` images, ``rows`` per row."""
-    grid = make_grid(to_uint8(images.cpu()), nrow=rows, padding=2, pad_value=0)
+def image_grid(images: torch.Tensor, images_per_row: int) -> np.ndarray:
+    """A grid (HWC uint8, 2-pixel black padding) of ``[-1, 1]`` images.
+
+    The layout of ``torchvision.utils.make_grid(padding=2, pad_value=0)``, grayscale repeated
+    to RGB (a test holds the two equal), written here because importing torchvision pulls in
+    torch._dynamo: about a second of start-up in every stage process, for a dozen lines.
+    """
+    pixels = to_uint8(images.cpu())
+    if pixels.shape[1] == 1:
+        pixels = pixels.expand(-1, 3, -1, -1)
+    num, channels, height, width = pixels.shape
+    if num == 1:  # make_grid returns a lone image as it is, unpadded
+        return pixels[0].permute(1, 2, 0).numpy()
+    cols = min(images_per_row, num)
+    lines = math.ceil(num / cols)
+    pad = 2
+    grid = torch.zeros(
+        channels, lines * (height + pad) + pad, cols * (width + pad) + pad, dtype=torch.uint8
+    )
+    for index, image in enumerate(pixels):
+        row, col = divmod(index, cols)
+        top, left = pad + row * (height + pad), pad + col * (width + pad)
+        grid[:, top : top + height, left : left + width] = image
     return grid.permute(1, 2, 0).numpy()
 
 

@@ -1,5 +1,7 @@
-"""One tiny DVC project, reproduced once per test session and copied by the tests that
-start from a built pipeline (each `dvc repro` of it costs half a minute here)."""
+"""One tiny DVC project, reproduced once per test run and copied by the tests that start
+from a built pipeline (each `dvc repro` of it costs half a minute here). Under pytest-xdist
+the first worker that needs it builds it, under a file lock, and the others wait and share it.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from tests.helpers import clone_working_tree, sh
 
@@ -29,14 +32,25 @@ TINY = {
 
 
 @pytest.fixture(scope="session")
-def tiny_baseline(tmp_path_factory) -> Path:
+def tiny_baseline(tmp_path_factory, worker_id) -> Path:
     """A TINY clone after `dvc repro`, with dvc.lock and the outputs' cache committed.
 
     Tests only read it (or copy it); what that `dvc repro` printed is ``../first-repro.txt``.
     """
-    root = clone_working_tree(tmp_path_factory.mktemp("baseline") / "clone", TINY)
+    if worker_id == "master":  # no xdist: this session's own folder
+        return build_baseline(tmp_path_factory.mktemp("baseline"))
+    shared = tmp_path_factory.getbasetemp().parent / "baseline"  # common to this run's workers
+    with FileLock(f"{shared}.lock"):
+        if not (shared / "built").exists():
+            build_baseline(shared)
+            (shared / "built").touch()
+    return shared / "clone"
+
+
+def build_baseline(folder: Path) -> Path:
+    root = clone_working_tree(folder / "clone", TINY)
     first = sh(["dvc", "repro"], root)
-    (root.parent / "first-repro.txt").write_text(first.stdout)
+    (folder / "first-repro.txt").write_text(first.stdout)
     sh(["git", "add", "-A"], root)
     sh(["git", "commit", "-qm", "baseline"], root)
     return root

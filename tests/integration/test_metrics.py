@@ -18,7 +18,8 @@ from ganpipe.params import DataParams, FeaturenetParams, parse_params
 from tests import helpers
 from tests.helpers import write_project
 
-pytestmark = pytest.mark.slow
+# One worker trains the module's generators once (module fixtures).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("metrics")]
 CPU = torch.device("cpu")
 GAN = {
     "seed": 2,
