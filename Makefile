@@ -12,13 +12,15 @@ export DVC_NO_ANALYTICS := 1
 export PREFECT_HOME := $(CURDIR)/.state/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-# `make serve`: a local Prefect server on 127.0.0.1:$(PREFECT_PORT) and the served deployments,
-# in the background (logs and pids under .state/); `make stop` stops both. SERVE_ARGS go to
-# `python -m flows.serve`, e.g. SERVE_ARGS="--pipeline 60 --sweep off".
+# `make serve`: a local Prefect server on 127.0.0.1:$(PREFECT_PORT) that wants the credentials
+# of .state/prefect-auth (made once, mode 0600), and the served deployments, in the background
+# (log and pid under .state/); `make stop` stops both; `make flow-runs` lists the runs with
+# .state/prefect.env (URL and credentials). SERVE_ARGS go to `python -m flows.serve`,
+# e.g. SERVE_ARGS="--pipeline 60 --sweep off". Docs: docs/orchestration.md.
 PREFECT_PORT ?= 4200
 SERVE_ARGS ?=
 
-.PHONY: setup repro report test test-fast lint format bench clean serve stop flow-runs
+.PHONY: setup repro report docs test test-fast lint format bench clean serve stop flow-runs
 
 setup: $(STAMP) $(NPM_STAMP)
 
@@ -39,9 +41,17 @@ repro: setup
 report: setup
 	python -m reports.build
 
-test: setup lint
-	python -m pytest
+# docs/parameters.md is generated from the params schema (a unit test fails when it is stale).
+docs: setup
+	python -m tools.paramdoc --write
+	python -m tools.doclinks
 
+# Two pytest-xdist workers (the machine has two cores; a serial run leaves one mostly idle).
+# Tests that share a server or a costly module fixture carry an xdist_group marker.
+test: setup lint
+	python -m pytest -n 2 --dist loadgroup
+
+# The inner loop: everything but the `slow` tests (real dvc, torchrun, servers, browser).
 test-fast: setup
 	python -m pytest -m "not slow"
 
@@ -59,7 +69,8 @@ bench: setup
 serve: setup
 	python -m flows.service start --port $(PREFECT_PORT) $(SERVE_ARGS)
 
-# Standard library only: works with any python3, even without .venv.
+# flows.service imports the standard library only: works with any python3, even without .venv
+# (then it stops the server by its pid file instead of `prefect server stop`).
 stop:
 	python3 -m flows.service stop
 

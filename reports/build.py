@@ -1,7 +1,9 @@
 """report: the training curves, progress grids and samples in one HTML page that works offline.
 
 Inputs: the plots of dvc.yaml as the last `dvc repro` left them (``metrics/train/plots/``,
-``samples/grid.png``); ``reports/template.html``; the vega, vega-lite and vega-embed bundles
+``samples/grid.png``): the curves as dvc.yaml's top-level ``plots`` group and label them
+(template ``reports/line_template.json``), the images as the stages declare them;
+``reports/template.html``; the vega, vega-lite and vega-embed bundles
 in ``reports/node_modules`` (``npm ci`` from ``reports/package-lock.json``, run by
 ``make setup``).
 Outputs: ``reports/plots/``: ``index.html``, ``static/`` (the images, copied by DVC) and
@@ -20,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import yaml
+
 from ganpipe.files import replace_dir
 
 HERE = Path(__file__).resolve().parent
@@ -36,8 +40,49 @@ BUNDLES = {
 }
 
 
+#: Curves a stage logs that the page leaves out: ``kimg`` is the x axis (images seen) / 1000.
+LEFT_OUT = {"kimg.tsv"}
+
+
 class ReportError(Exception):
     """A report that cannot be built, with the reason and the fix."""
+
+
+def _paths(entries: list) -> list[str]:
+    """The paths of a dvc.yaml ``plots`` list (plain strings or one-key mappings)."""
+    return [next(iter(e)) if isinstance(e, dict) else str(e) for e in entries or []]
+
+
+def plot_targets(repo: Path) -> list[str]:
+    """What the page shows, as ``dvc plots show`` targets (regexes matched against plot ids).
+
+    Every top-level plot of dvc.yaml (the grouped, labelled curves); every stage plot none of
+    them draws from (the images); and any curve file inside a stage plot folder that no
+    top-level plot names (e.g. ``amp/*`` in fp16 runs), shown on its own, except ``LEFT_OUT``.
+    A stage's curve folder is left out as a whole otherwise: DVC would draw each of its files
+    again, titled by its path.
+    """
+    spec = yaml.safe_load((repo / "dvc.yaml").read_text(encoding="utf-8")) or {}
+    top = {}
+    for entry in spec.get("plots") or []:
+        name, props = next(iter(entry.items())) if isinstance(entry, dict) else (entry, None)
+        top[name] = (props or {}).get("y") if isinstance(props, dict) else None
+    drawn = {os.path.normpath(f) for y in top.values() if isinstance(y, dict) for f in y}
+    # Targets are regexes, but DVC normalises them as paths first (a backslash breaks them):
+    # "$" anchors them; an unescaped "." matching any character is harmless here.
+    targets = [f"{name}$" for name in top]
+    for stage in (spec.get("stages") or {}).values():
+        for path in _paths(stage.get("plots")):
+            inside = sorted(f for f in drawn if f.startswith(os.path.normpath(path) + os.sep))
+            if not inside and os.path.normpath(path) not in drawn:
+                targets.append(f"{path}$")
+                continue
+            folder = repo / path
+            for curve in sorted(folder.rglob("*.tsv")) if folder.is_dir() else []:
+                relative = curve.relative_to(repo).as_posix()
+                if os.path.normpath(relative) not in drawn and curve.name not in LEFT_OUT:
+                    targets.append(relative)  # DVC reads a target that is a file as-is
+    return targets
 
 
 def find_bundles(node_modules: Path) -> dict[str, Path]:
@@ -54,8 +99,9 @@ def find_bundles(node_modules: Path) -> dict[str, Path]:
 
 def render_plots(repo: Path, template: Path, out: Path) -> Path:
     """Run ``dvc plots show`` in ``repo`` with ``template``; return the written page."""
+    command = [sys.executable, "-m", "dvc", "plots", "show", "--html-template", template]
     result = subprocess.run(
-        [sys.executable, "-m", "dvc", "plots", "show", "--html-template", template, "-o", out],
+        [*command, "-o", out, "-x", "step", *plot_targets(repo)],
         cwd=repo,
         env={**os.environ, "DVC_NO_ANALYTICS": "1"},
         capture_output=True,
@@ -67,7 +113,9 @@ def render_plots(repo: Path, template: Path, out: Path) -> Path:
         raise ReportError(f"`dvc plots show` wrote no page (run `dvc repro` first?):\n{output}")
     if "failed to load" in output:
         # DVC still writes the page, without the plots it could not read.
-        raise ReportError(f"`dvc plots show` could not read every plot:\n{output}")
+        raise ReportError(
+            f"`dvc plots show` could not read every plot (run `dvc repro` first?):\n{output}"
+        )
     return page
 
 

@@ -1,7 +1,8 @@
 """The offline plots page (`python -m reports.build`) opened in headless Debian Chromium.
 
 A temporary clone runs the real `dvc repro` with tiny params; the page is opened from
-file:// with every http(s) request blocked, as on a machine without internet.
+file:// with every http(s) request blocked, as on a machine without internet. The curves are
+dvc.yaml's top-level plots: each must show its title, its axis labels and readable numbers.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from PIL import Image
 
-from reports.build import BUNDLES, ReportError, build_report
+from reports.build import BUNDLES, LEFT_OUT, ReportError, build_report
 from tests.e2e.test_dvc_pipeline import TINY
 from tests.helpers import REPO, clone_working_tree, sh
 
-pytestmark = pytest.mark.slow
+# One worker builds the project and starts the browser once (module fixtures).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("report")]
 
 CHROMIUM = Path("/usr/bin/chromium")
 # Without the background-networking flags Chromium keeps dialling out of this closed network.
@@ -95,6 +98,7 @@ class Visit:
     """What a page showed: vega views' data, images, a screenshot, and everything that failed."""
 
     steps: dict[str, list[float]]  # plot div id -> the `step` of every row of its view
+    texts: dict[str, dict]  # plot div id -> {"title": [...], "axes": [{"title", "labels"}]}
     images: dict[str, tuple[int, int]]  # file name -> natural size, for the loaded images
     screenshot: Image.Image
     plot_shots: dict[str, Image.Image]  # plot div id -> screenshot of that plot
@@ -126,6 +130,38 @@ def visit(browser, page_file: Path) -> Visit:
         """() => Object.fromEntries(Object.entries(window.__ganpipeViews || {}).map(
             ([id, view]) => [id, view.data("source_0").map((row) => Number(row.step))]))"""
     )
+    # What each view drew, read from vega's scenegraph: title and, per axis, title and labels.
+    texts = page.evaluate(
+        """() => Object.fromEntries(Object.entries(window.__ganpipeViews || {}).map(
+            ([id, view]) => {
+            const found = {title: [], axes: []};
+            const collect = (mark, role, out) => {
+                for (const item of mark.items || []) {
+                    if (mark.role === role && item.text !== undefined) out.push(String(item.text));
+                    for (const child of item.items || []) collect(child, role, out);
+                }
+            };
+            const walk = (mark) => {
+                for (const item of mark.items || []) {
+                    if (mark.role === "axis") {
+                        const axis = {title: [], labels: []};
+                        for (const child of item.items || []) {
+                            collect(child, "axis-title", axis.title);
+                            collect(child, "axis-label", axis.labels);
+                        }
+                        found.axes.push({title: axis.title.join(" "), labels: axis.labels});
+                        continue;
+                    }
+                    if (mark.role === "title-text" && item.text !== undefined) {
+                        found.title.push(String(item.text));
+                    }
+                    for (const child of item.items || []) walk(child);
+                }
+            };
+            walk(view.scenegraph().root);
+            return [id, found];
+        }))"""
+    )
     images = page.evaluate(
         """() => Array.from(document.images).map((img) => [
             img.getAttribute("src"), img.complete, img.naturalWidth, img.naturalHeight])"""
@@ -135,6 +171,7 @@ def visit(browser, page_file: Path) -> Visit:
             problems.append(f"image {src} did not load")
     visited = Visit(
         steps=steps,
+        texts=texts,
         images={Path(src).name: (w, h) for src, complete, w, h in images if complete and w},
         screenshot=Image.open(io.BytesIO(page.screenshot(full_page=True))),
         plot_shots={
@@ -151,14 +188,44 @@ def spread(image: Image.Image) -> float:
     return float(np.asarray(image.convert("L"), dtype=np.float64).std())
 
 
-def logged_steps(project: Path) -> dict[str, list[float]]:
-    """Plot div id (as dvc_render names it) -> the steps in that curve's .tsv file."""
-    found = {}
-    for tsv in sorted((project / "metrics/train/plots/metrics").rglob("*.tsv")):
-        name = tsv.relative_to(project).as_posix()
-        rows = list(csv.DictReader(io.StringIO(tsv.read_text()), delimiter="\t"))
-        found[re.sub(r"[/.]", "_", name)] = [float(row["step"]) for row in rows]
-    return found
+def read_curve(tsv: Path, field: str) -> tuple[list[float], list[float]]:
+    """``(steps, values)`` of one logged curve."""
+    rows = list(csv.DictReader(io.StringIO(tsv.read_text()), delimiter="\t"))
+    return [float(row["step"]) for row in rows], [float(row[field]) for row in rows]
+
+
+@dataclass
+class Curves:
+    """One top-level plot of dvc.yaml, with the data of the files it draws."""
+
+    title: str
+    x_label: str
+    y_label: str
+    steps: list[float]
+    values: list[float]
+
+
+def plotted_curves(project: Path) -> tuple[dict[str, Curves], set[str]]:
+    """dvc.yaml's top-level plots (by id, which is the page's div id), and the files they draw."""
+    spec = yaml.safe_load((project / "dvc.yaml").read_text())
+    curves, drawn = {}, set()
+    for entry in spec["plots"]:
+        ((name, props),) = entry.items()
+        steps, values = [], []
+        for tsv, column in props["y"].items():
+            more_steps, more_values = read_curve(project / tsv, column)
+            steps, values = steps + more_steps, values + more_values
+            drawn.add(tsv)
+        curves[name] = Curves(props["title"], props["x_label"], props["y_label"], steps, values)
+    return curves, drawn
+
+
+def number(label: str) -> float:
+    """An axis label as a number: ``2.0e-4``, ``0.5``, ``1200``, ``20k`` (SI)."""
+    prefixes = {"µ": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9}
+    if label and label[-1] in prefixes:
+        return float(label[:-1].replace("−", "-")) * prefixes[label[-1]]
+    return float(label.replace("−", "-"))
 
 
 def test_page_renders_every_plot_and_image_offline(project, browser):
@@ -169,10 +236,35 @@ def test_page_renders_every_plot_and_image_offline(project, browser):
     shown = visit(browser, page_file)
 
     assert shown.problems == []
-    expected = logged_steps(project)
-    assert len(expected) >= 9 and "metrics_train_plots_metrics_loss_g_tsv" in expected
-    assert all(steps == [32, 64, 96, 128] for steps in expected.values()), expected
-    assert shown.steps == expected
+    curves, drawn = plotted_curves(project)
+    logged = {
+        p.relative_to(project).as_posix()
+        for p in (project / "metrics/train/plots/metrics").rglob("*.tsv")
+        if p.name not in LEFT_OUT
+    }
+    assert len(logged) >= 11 and drawn == logged  # every logged curve is in a group
+    # one view per group, no curve drawn again on its own; rows: each file's steps in turn
+    assert {id_: sorted(steps) for id_, steps in shown.steps.items()} == {
+        id_: sorted(c.steps) for id_, c in curves.items()
+    }
+    assert all(set(c.steps) == {32, 64, 96, 128} for c in curves.values())
+    for id_, curve in curves.items():
+        texts = shown.texts[id_]
+        assert texts["title"] == [curve.title], id_
+        (x_axis,) = [a for a in texts["axes"] if a["title"] == curve.x_label]
+        (y_axis,) = [a for a in texts["axes"] if a["title"] == curve.y_label]
+        assert [number(label) for label in x_axis["labels"]] == sorted(
+            number(label) for label in x_axis["labels"]
+        )
+        # The y labels must reach the data: a 2e-4 learning rate labelled "0" does not.
+        shown_values = [number(label) for label in y_axis["labels"]]
+        assert shown_values, f"{id_}: no y labels"
+        low, high = min(curve.values), max(curve.values)
+        assert min(shown_values) <= high and max(shown_values) >= low, (id_, y_axis, low, high)
+        if low > 0 or high < 0:
+            assert any(v != 0 for v in shown_values), f"{id_}: axis reads 0 for {low}..{high}"
+    lr_axis = [a for a in shown.texts["learning_rates"]["axes"] if a["title"] == "learning rate"]
+    assert lr_axis[0]["labels"] == ["2.0e-4"]  # the constant 2e-4 of the tiny run
     on_disk = {p.name: Image.open(p).size for p in (page_file.parent / "static").iterdir()}
     progress = list((project / "metrics/train/plots/images/progress").glob("*.png"))
     # progress grids at 64 and 128 images, the sample grid and the interpolation strips

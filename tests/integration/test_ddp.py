@@ -204,7 +204,7 @@ def free_port() -> int:
 
 
 def test_two_nodes_on_loopback_equal_one_node(tmp_path, data_dir):
-    """The README's multi-node recipe: the same params on each node, only node_rank differs."""
+    """The multi-node recipe of docs/distributed.md: same params on each node but node_rank."""
     single = project(tmp_path / "single", data_dir, devices={"nproc_per_node": 2})
     assert train(single).returncode == 0
     endpoint = f"127.0.0.1:{free_port()}"

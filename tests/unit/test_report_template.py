@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import re
 
-from reports.build import BUNDLES, TEMPLATE
+import yaml
+
+from reports.build import BUNDLES, TEMPLATE, plot_targets
 from tests.helpers import REPO
 
 
@@ -25,3 +27,68 @@ def test_package_pins_exact_versions_that_the_lock_file_holds():
         assert re.fullmatch(r"\d+\.\d+\.\d+", version), f"{name}: pin an exact version"
         assert locked[f"node_modules/{name}"]["version"] == version
         assert locked[""]["dependencies"][name] == version
+
+
+def test_every_curve_group_has_a_title_axis_labels_and_the_line_template():
+    spec = yaml.safe_load((REPO / "dvc.yaml").read_text())
+    groups = [next(iter(entry.items())) for entry in spec["plots"]]
+    assert [name for name, _ in groups] == [
+        "losses",
+        "d_outputs",
+        "grad_norms",
+        "throughput",
+        "step_time",
+        "peak_memory",
+        "learning_rates",
+    ]
+    for name, props in groups:
+        assert props["template"] == "reports/line_template.json", name
+        assert props["title"] and props["y_label"] and props["x_label"] == "images seen", name
+        assert props["x"] == "step" and all(
+            path.startswith("metrics/train/plots/metrics/") for path in props["y"]
+        ), name
+    template = (REPO / "reports/line_template.json").read_text()
+    for anchor in ("DATA", "TITLE", "X", "Y", "X_LABEL", "Y_LABEL", "TOOLTIP"):
+        assert f'"<DVC_METRIC_{anchor}>"' in template
+    assert "'.1e'" in json.loads(template)["encoding"]["y"]["axis"]["labelExpr"]
+
+
+def test_page_targets_are_the_groups_and_images_not_the_curve_folder(tmp_path):
+    curves = tmp_path / "metrics/train/plots/metrics"
+    for name in ("loss/d.tsv", "loss/g.tsv", "kimg.tsv", "amp/scale/g.tsv"):
+        (curves / name).parent.mkdir(parents=True, exist_ok=True)
+        (curves / name).write_text("step\tv\n1\t2\n")
+    (tmp_path / "dvc.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "stages": {
+                    "train": {
+                        "cmd": "true",
+                        "plots": [
+                            {"metrics/train/plots/metrics": {"x": "step"}},
+                            "metrics/train/plots/images",
+                        ],
+                    },
+                    "generate": {"cmd": "true", "plots": ["samples/grid.png"]},
+                },
+                "plots": [
+                    {
+                        "losses": {
+                            "y": {
+                                "metrics/train/plots/metrics/loss/d.tsv": "d",
+                                "metrics/train/plots/metrics/loss/g.tsv": "g",
+                            }
+                        }
+                    }
+                ],
+            },
+            sort_keys=False,
+        )
+    )
+
+    assert plot_targets(tmp_path) == [
+        "losses$",
+        "metrics/train/plots/metrics/amp/scale/g.tsv",  # no group draws it: shown on its own
+        "metrics/train/plots/images$",
+        "samples/grid.png$",
+    ]

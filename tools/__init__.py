@@ -1,0 +1,1 @@
+"""Developer tools that are not part of the pipeline (generators of committed files)."""
