@@ -1,14 +1,12 @@
-"""The pipeline flow: every stage of dvc.yaml as a Prefect task, then the run's record.
+"""The pipeline flow: one DVC experiment, made in a checkout of its own, stage by stage.
 
-Each stage task runs ``dvc repro STAGE``, in the order of dvc.yaml's dependencies. With
-overrides the flow first writes them into params.yaml (what ``dvc exp run -S`` does) and
-at the end records the workspace as a DVC experiment (``dvc exp save --name``), so the
-run shows up in ``dvc exp show`` like one made by ``dvc exp run``. One ``dvc exp run``
-per stage is not an option: a second run under the same name needs ``--force``, which
-also re-runs every upstream stage. DVC decides what is cached; Prefect decides when,
-retries a stage only for transient failures (a held DVC lock, an I/O hiccup), and keeps
-the record: a table artifact of the metrics and params, and a markdown artifact naming
-the experiment and where the samples and plots are.
+A run checks out the commit it starts from (default: the project's ``HEAD``) into a git
+worktree sharing the project's DVC cache (:mod:`flows.checkout`), writes its overrides into
+that checkout's params.yaml, runs every stage of dvc.yaml as a Prefect task
+(``dvc repro STAGE``: unchanged stages come from the run cache), records the result as a
+DVC experiment of the project (``dvc exp show`` / ``dvc exp apply NAME`` in the workspace)
+and removes the checkout. The user's workspace is never written. The sweep runs this flow
+once per grid point, so an experiment is a flow run of its own.
 
 Run once by hand (a temporary local Prefect API starts when no server is configured)::
 
@@ -21,6 +19,7 @@ import argparse
 import json
 import logging
 import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -30,14 +29,12 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.exceptions import MissingContextError
 from prefect.runtime import flow_run
 
-from flows import workspace
-from flows.workspace import DvcCommandError
+from flows import checkout
+from flows.checkout import DvcCommandError
 from ganpipe.params import read_yaml
 from reports.build import ReportError, build_report
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp")
-#: DVC experiment names are git ref names; this is a safe subset of them.
-EXP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(?<![.])(?<!\.lock)")
 
 
 def run_logger() -> logging.Logger | logging.LoggerAdapter:
@@ -49,7 +46,8 @@ def run_logger() -> logging.Logger | logging.LoggerAdapter:
 
 
 def retry_only_transient(task, task_run, state) -> bool:
-    """``retry_condition_fn``: retry a held lock or an I/O hiccup, never a stage's own error."""
+    """``retry_condition_fn``: retry a held lock, an I/O hiccup or a killed process, never a
+    stage's own error."""
     error = state.data if isinstance(state.data, BaseException) else None
     if error is None:
         error = state.result(raise_on_failure=False)
@@ -58,132 +56,92 @@ def retry_only_transient(task, task_run, state) -> bool:
 
 @task(task_run_name="validate overrides")
 def check_overrides(
-    project: str, overrides: dict[str, Any] | None, exp_name: str | None
+    project: str, commit: str, overrides: dict[str, Any] | None, exp_name: str
 ) -> dict[str, Any]:
-    """Validate the overrides with the params schema and check that ``exp_name`` is free.
-
-    Returns the overrides with the schema's values. Fails (never retried) naming every bad
-    key, or the experiment name that is taken.
-    """
-    valid = workspace.validate_overrides(Path(project), overrides)
-    if exp_name and (not EXP_NAME.fullmatch(exp_name) or ".." in exp_name):
+    """Validate the overrides against params.yaml of ``commit``; check that ``exp_name`` is
+    free. Returns the overrides with the schema's values; fails (never retried) naming every
+    bad key, or the experiment name."""
+    checkout.check_exp_name(exp_name)
+    if checkout.experiment_exists(Path(project), commit, exp_name):
         raise ValueError(
-            f"exp_name={exp_name!r} is not a valid experiment name; use letters, digits, "
-            "'-', '_' and '.', starting with a letter or digit (it becomes a git ref)"
+            f"exp_name={exp_name!r}: an experiment of that name exists on commit {commit[:7]}; "
+            f"choose another name or remove it (dvc exp remove {exp_name})"
         )
-    if exp_name:
-        listed = workspace.run_dvc(["exp", "list", "--name-only"], Path(project), lambda _: None)
-        if exp_name in listed.split():
-            raise ValueError(
-                f"exp_name={exp_name!r}: an experiment of that name exists on this commit; "
-                f"choose another name or remove it (dvc exp remove {exp_name})"
-            )
-    return valid
-
-
-@task(task_run_name="set params")
-def set_params(project: str, overrides: dict[str, Any]) -> None:
-    """Write the overrides into params.yaml, as ``dvc exp run -S`` would."""
-    workspace.write_overrides(Path(project), overrides)
-    run_logger().info("params.yaml: %s", json.dumps(overrides))
+    text = checkout.git(["show", f"{commit}:params.yaml"], Path(project))
+    return checkout.validate_overrides(text, overrides, f"params.yaml of {commit[:7]}")
 
 
 @task(retries=3, retry_delay_seconds=10, retry_condition_fn=retry_only_transient)
-def run_stage(project: str, stage: str) -> str:
-    """``dvc repro STAGE`` (and what it depends on, if stale); return ``ran`` or ``cached``.
+def run_stage(path: str, stage: str) -> str:
+    """``dvc repro STAGE`` in the run's checkout; return ``ran`` or ``cached``.
 
     Raises:
         DvcCommandError: carrying the stage's ``error:`` message; ``transient`` says
             whether the retry policy applies.
     """
-    output = workspace.run_dvc(["repro", stage], Path(project), run_logger().info)
+    output = checkout.run(["dvc", "repro", stage], Path(path), run_logger().info)
     return "ran" if f"Running stage '{stage}'" in output else "cached"
 
 
-@task(retries=3, retry_delay_seconds=10, retry_condition_fn=retry_only_transient)
-def save_experiment(project: str, exp_name: str) -> str:
-    """Record the workspace (params, metrics, outputs) as DVC experiment ``exp_name``."""
-    workspace.run_dvc(["exp", "save", "--name", exp_name], Path(project), run_logger().info)
-    return exp_name
-
-
-@task(task_run_name="publish artifacts")
-def publish_run(
-    project: str,
-    stages: dict[str, str],
-    overrides: dict[str, Any],
-    exp_name: str | None,
-) -> dict[str, Any]:
-    """Publish the run's record as Prefect artifacts; return it as a dict.
+def publish_run(root: Path, project: Path, record: dict[str, Any]) -> dict[str, Any]:
+    """Publish the run's record as Prefect artifacts; return it with the metrics added.
 
     Artifacts: ``pipeline-metrics`` (a table of every metric and param, overridden params
     marked) and ``pipeline-run`` (markdown: the experiment, the stages, links to the
-    samples and the plots HTML).
+    samples and the plots page, kept in ``.state/runs/RUN/`` of the project).
     """
-    root = Path(project)
-    metrics = workspace.dvc_json(["metrics", "show", "--json"], root)
+    shown = json.loads(checkout.run(["dvc", "metrics", "show", "--json"], root))
+    files = {p: e.get("data") or {} for p, e in (shown.get("", {}).get("data") or {}).items()}
     params = read_yaml((root / "params.yaml").read_text(encoding="utf-8")) or {}
-    rows = []
-    for source, entry in (metrics.get("", {}).get("data") or {}).items():
-        for key, value in workspace.flatten(entry.get("data") or {}).items():
-            rows.append({"kind": "metric", "source": source, "key": key, "value": value})
-    for key, value in workspace.flatten(params).items():
-        rows.append(
-            {
-                "kind": "param (override)" if key in overrides else "param",
-                "source": "params.yaml",
-                "key": key,
-                "value": json.dumps(value) if isinstance(value, list) else value,
-            }
-        )
+    rows = [
+        {"kind": "metric", "source": source, "key": key, "value": value}
+        for source, data in files.items()
+        for key, value in checkout.flatten(data).items()
+    ]
+    rows += [
+        {
+            "kind": "param (override)" if key in record["overrides"] else "param",
+            "source": "params.yaml",
+            "key": key,
+            "value": json.dumps(value) if isinstance(value, list) else value,
+        }
+        for key, value in checkout.flatten(params).items()
+    ]
     create_table_artifact(
-        rows, key="pipeline-metrics", description="Metrics and params of this pipeline run"
+        rows, key="pipeline-metrics", description="Metrics and params of this run"
     )
 
-    outputs = workspace.stage_outputs(root / "dvc.yaml")
-    samples = [str(root / p) for p in outputs if p.lower().endswith(IMAGE_SUFFIXES)]
-    plots = [str(root / p) for p in outputs if p.lower().endswith(".html")]
-    if not plots:
-        plots = [render_plots(root, flow_run.get_name() or time.strftime("%Y%m%d-%H%M%S"))]
-    record = {
-        "experiment": exp_name,
-        "stages": stages,
-        "overrides": overrides,
-        "samples": samples,
-        "plots": plots,
-        "metrics": {row["key"]: row["value"] for row in rows if row["kind"] == "metric"},
-    }
+    keep = project / ".state" / "runs" / re.sub(r"[^\w.-]", "_", record["experiment"])
+    samples = []
+    for output in checkout.stage_outputs(root / "dvc.yaml"):
+        if output.lower().endswith(IMAGE_SUFFIXES) and (root / output).is_file():
+            (keep / output).parent.mkdir(parents=True, exist_ok=True)
+            samples.append(str(shutil.copyfile(root / output, keep / output)))
+    try:
+        plots = str(build_report(root, out=keep / "plots"))
+    except ReportError as exc:
+        run_logger().warning("offline plots page not built (%s); using DVC's default page", exc)
+        checkout.run(["dvc", "plots", "show", "--out", str(keep / "plots")], root)
+        plots = str(keep / "plots" / "index.html")
+    record = {**record, "samples": samples, "plots": [plots], "metrics_files": files}
+    record["metrics"] = {row["key"]: row["value"] for row in rows if row["kind"] == "metric"}
     create_markdown_artifact(
-        run_markdown(record, root), key="pipeline-run", description="What this run made"
+        run_markdown(record), key="pipeline-run", description="What this run made"
     )
     return record
 
 
-def render_plots(root: Path, run_name: str) -> str:
-    """The offline plots page (README "Reports") of the workspace, under ``.state/plots/RUN/``.
-
-    Without the vega bundles (``make setup`` installs them) it falls back to DVC's own page,
-    which needs internet to draw the curves.
-    """
-    folder = Path(".state") / "plots" / re.sub(r"[^\w.-]", "_", run_name)
-    try:
-        return str(build_report(root, out=folder))
-    except ReportError as exc:
-        run_logger().warning("offline plots page not built (%s); using DVC's default page", exc)
-    workspace.run_dvc(["plots", "show", "--out", str(root / folder)], root, run_logger().debug)
-    return str(root / folder / "index.html")
-
-
-def run_markdown(record: dict[str, Any], root: Path) -> str:
+def run_markdown(record: dict[str, Any]) -> str:
     """The markdown artifact of one pipeline run."""
     exp = record["experiment"]
-    lines = ["# ganpipe pipeline run", "", f"- project: `{root}`"]
-    if exp:
-        lines.append(f"- DVC experiment: **{exp}** (`dvc exp show`, `dvc exp apply {exp}`)")
-    else:
-        lines.append("- no experiment: `dvc repro` in the workspace (results in dvc.lock)")
+    lines = [
+        "# ganpipe pipeline run",
+        "",
+        f"- DVC experiment: **{exp}** on commit `{record['commit'][:7]}` "
+        f"(`dvc exp show`, `dvc exp apply {exp}` in the project)",
+    ]
     if record["overrides"]:
-        lines.append(f"- overrides: `{json.dumps(record['overrides'])}`")
+        lines.append(f"- overrides: `{json.dumps(record['overrides'], ensure_ascii=False)}`")
     lines += [
         "- stages: " + ", ".join(f"{name} ({how})" for name, how in record["stages"].items()),
         "- samples: " + ", ".join(f"[{Path(p).name}](file://{p})" for p in record["samples"]),
@@ -191,74 +149,52 @@ def run_markdown(record: dict[str, Any], root: Path) -> str:
         "",
         "| metric | value |",
         "|---|---:|",
-        *(f"| {key} | {value:.6g} |" for key, value in _numbers(record["metrics"]).items()),
     ]
+    for key, value in record["metrics"].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            lines.append(f"| {key} | {float(value):.6g} |")
     return "\n".join(lines)
-
-
-def _numbers(values: dict[str, Any]) -> dict[str, float]:
-    return {
-        key: float(value)
-        for key, value in values.items()
-        if isinstance(value, (int, float)) and not isinstance(value, bool)
-    }
 
 
 @flow(name="ganpipe-pipeline")
 def pipeline(
     overrides: dict[str, Any] | None = None,
     exp_name: str | None = None,
-    project_dir: str | None = None,
+    commit: str | None = None,
     stage_retries: int = 3,
     retry_delay_s: float = 10.0,
-    lock_timeout_s: float = 6 * 3600,
 ) -> dict[str, Any]:
-    """Run every stage of dvc.yaml in order, then publish the run's metrics and params.
+    """Make one DVC experiment: every stage of dvc.yaml in a checkout of its own.
 
     Args:
-        overrides: params to change for this run, ``{"train.strategy": "g_first_detach"}``;
-            validated by the params schema before anything runs. Given overrides make the
-            run a DVC experiment; like ``dvc exp run``, its params and outputs stay in the
-            workspace afterwards (params.yaml is restored if a stage fails).
-        exp_name: Name of the DVC experiment (default: the flow run's name when overrides
-            are given; no experiment otherwise).
-        project_dir: The DVC project (default: the one holding this file).
-        stage_retries: Attempts after a transient failure of a stage (held lock, I/O).
+        overrides: params to change, ``{"train.strategy": "g_first_detach"}``; validated by
+            the params schema before anything runs, written into the checkout's params.yaml
+            exactly as given (strings are never parsed).
+        exp_name: Name of the DVC experiment (default: the flow run's name).
+        commit: The git commit to start from (sha, branch or tag; default: ``HEAD``). The
+            workspace's uncommitted changes are not part of a run.
+        stage_retries: Attempts after a transient failure of a stage (killed, I/O).
         retry_delay_s: Seconds between those attempts.
-        lock_timeout_s: How long to wait for another flow run using the same workspace.
     """
     log = run_logger()
-    project = str(Path(project_dir).resolve() if project_dir else workspace.PROJECT_ROOT)
-    if overrides and not exp_name:
-        exp_name = flow_run.get_name() or time.strftime("pipeline-%Y%m%d-%H%M%S")
-    valid = check_overrides(project, overrides, exp_name)
-    stages = workspace.stage_names(Path(project) / "dvc.yaml")
-    log.info("stages: %s; experiment: %s", ", ".join(stages), exp_name or "none (dvc repro)")
+    project = checkout.PROJECT_ROOT
+    exp_name = exp_name or flow_run.get_name() or time.strftime("pipeline-%Y%m%d-%H%M%S")
+    sha = checkout.resolve_commit(project, commit)
+    valid = check_overrides(str(project), sha, overrides, exp_name)
     retry = {"retries": stage_retries, "retry_delay_seconds": retry_delay_s}
-    done: dict[str, str] = {}
-    params_file = Path(project) / "params.yaml"
-    with workspace.workspace_lock(Path(project), lock_timeout_s, log.info):
-        before = params_file.read_text(encoding="utf-8")
-        try:
-            if valid:
-                # Another run may have changed params.yaml while this one waited: check again.
-                set_params(project, workspace.validate_overrides(Path(project), valid))
-            for stage in stages:
-                done[stage] = run_stage.with_options(task_run_name=f"stage {stage}", **retry)(
-                    project, stage
-                )
-            if exp_name:
-                save_experiment.with_options(task_run_name="save experiment", **retry)(
-                    project, exp_name
-                )
-        except BaseException:
-            if valid:
-                # Leave the workspace's params as they were, so the next (scheduled) run
-                # does not inherit this run's failing overrides.
-                workspace.write_atomic(params_file, before)
-                log.warning("params.yaml restored to its content before this run")
-            raise
-        return publish_run(project, done, valid, exp_name)
+    with checkout.checkout(project, sha, exp_name) as root:
+        log.info("experiment %s: checkout of %s in %s", exp_name, sha[:7], root)
+        if valid:
+            checkout.write_params(root / "params.yaml", valid)
+            log.info("params.yaml: %s", json.dumps(valid, ensure_ascii=False))
+        stages = {
+            stage: run_stage.with_options(task_run_name=f"stage {stage}", **retry)(str(root), stage)
+            for stage in checkout.stage_names(root / "dvc.yaml")
+        }
+        message = f"ganpipe experiment {exp_name}: {json.dumps(valid, ensure_ascii=False)}"
+        checkout.record_experiment(root, sha, exp_name, message)
+        record = {"experiment": exp_name, "commit": sha, "stages": stages, "overrides": valid}
+        return publish_run(root, project, record)
 
 
 def _parse_set(text: str) -> tuple[str, Any]:
@@ -271,12 +207,17 @@ def _parse_set(text: str) -> tuple[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run the ganpipe pipeline flow once.")
     parser.add_argument(
-        "--set", dest="sets", action="append", type=_parse_set, default=[], help="key=value"
+        "--set",
+        dest="sets",
+        action="append",
+        type=_parse_set,
+        default=[],
+        help="key=value (YAML value)",
     )
     parser.add_argument("--name", dest="exp_name", default=None, help="DVC experiment name")
-    parser.add_argument("--project-dir", default=None, help="default: this checkout")
+    parser.add_argument("--commit", default=None, help="git commit to start from (default HEAD)")
     args = parser.parse_args()
-    pipeline(overrides=dict(args.sets), exp_name=args.exp_name, project_dir=args.project_dir)
+    pipeline(overrides=dict(args.sets), exp_name=args.exp_name, commit=args.commit)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The sweep's comparison: runs ranked by a metric, grouped over seeds, a table and a plot.
 
 Pure functions over the experiments of ``dvc exp show --json`` (see
-:func:`flows.workspace.experiments`); no Prefect, no DVC calls, so the report can be
+:func:`flows.pipeline.publish_run`); no Prefect, no DVC calls, so the report can be
 rebuilt and tested from saved JSON. A metric that no experiment has (the evaluation stage
 not run yet, a typo) is reported as missing, never a crash.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flows.workspace import flatten
+from flows.checkout import flatten
 
 #: Train-stage measurements shown beside the ranking metric (dotted keys of its metrics).
 PERF_KEYS = {

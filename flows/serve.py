@@ -1,9 +1,11 @@
 """Deployments of the pipeline and sweep flows, with schedules, served from this checkout.
 
 ``python -m flows.serve`` registers two deployments with the Prefect server named by
-``PREFECT_API_URL`` and runs their flow runs here until stopped (SIGTERM or Ctrl-C):
+``PREFECT_API_URL`` (credentials: ``PREFECT_API_AUTH_STRING``) and runs their flow runs
+here until stopped (SIGTERM or Ctrl-C). They work on this checkout's repository and take no
+path from callers:
 
-- ``ganpipe-pipeline/local``: the DVC pipeline, nightly by default (``0 2 * * *``);
+- ``ganpipe-pipeline/local``: one DVC experiment, nightly by default (``0 2 * * *``);
 - ``ganpipe-sweep/local``: the strategy sweep, weekly by default (``0 3 * * 0``).
 
 Either can also be started on demand, with parameters (``prefect deployment run
@@ -19,9 +21,12 @@ import datetime
 import re
 
 from prefect import serve
+from prefect.deployments.runner import RunnerDeployment
 from prefect.schedules import Cron, Interval, Schedule
+from prefect.utilities.callables import ParameterSchema
+from pydantic import ConfigDict
 
-from flows import workspace
+from flows import checkout
 from flows.pipeline import pipeline
 from flows.sweep import sweep
 
@@ -58,34 +63,54 @@ def describe(schedule: Schedule | None) -> str:
     return f"cron '{schedule.cron}' ({schedule.timezone or 'UTC'})"
 
 
+class _ClosedSchema(ParameterSchema):
+    model_config = ConfigDict(extra="allow")
+
+
+def closed_parameters(deployment: RunnerDeployment) -> None:
+    """Make the server refuse a flow run with a parameter the flow does not declare.
+
+    Prefect's schema lets unknown keys through (no ``additionalProperties``), so a run asked
+    with e.g. ``project_dir`` would be created and crash later; with this the API answers
+    409 at creation.
+    """
+    schema = deployment._parameter_openapi_schema.model_dump()
+    deployment._parameter_openapi_schema = _ClosedSchema(**schema, additionalProperties=False)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pipeline", default="0 2 * * *", help="cron, seconds or off")
     parser.add_argument("--sweep", default="0 3 * * 0", help="cron, seconds or off")
     parser.add_argument("--timezone", default="UTC", help="IANA zone of the cron schedules")
     parser.add_argument(
-        "--limit", type=int, default=None, help="most flow runs at once (default: no limit)"
+        "--limit",
+        type=int,
+        default=1,
+        help="most flow runs at once (default 1: a run that outlasts its schedule's interval "
+        "makes the next one wait instead of running beside it on the same CPU or GPU)",
     )
     args = parser.parse_args()
     schedules = {
         "pipeline": parse_schedule(args.pipeline, args.timezone),
         "sweep": parse_schedule(args.sweep, args.timezone),
     }
-    project = str(workspace.PROJECT_ROOT)
+    project = str(checkout.PROJECT_ROOT)
     deployments = [
         flow_.to_deployment(
             DEPLOYMENT,
             schedules=[schedules[name]] if schedules[name] else None,
             paused=False,
-            parameters={"project_dir": project},
             description=f"{what} of {project}, {describe(schedules[name])}",
             tags=["ganpipe"],
         )
         for name, flow_, what in (
-            ("pipeline", pipeline, "dvc repro"),
+            ("pipeline", pipeline, "one DVC experiment in its own checkout"),
             ("sweep", sweep, "strategy sweep"),
         )
     ]
+    for deployment in deployments:
+        closed_parameters(deployment)
     for name, schedule in schedules.items():
         print(f"ganpipe-{name}/{DEPLOYMENT}: {describe(schedule)}", flush=True)
     serve(*deployments, limit=args.limit)

@@ -1,19 +1,20 @@
-"""The sweep flow: a grid of DVC experiments, queued, awaited, compared in one report.
+"""The sweep flow: a grid of experiments, run as Prefect work, compared in one report.
 
 Every combination of the grid (default: the three update strategies x fp32/bf16 x two
-seeds, at a small ``train.kimg``) is validated by the params schema, then queued with
-``dvc exp run --queue -S ...`` and run by ``dvc queue start`` workers, each in its own
-temporary copy of the project (DVC's queue), so the workspace stays free. When all have
-finished, ``dvc exp show --json`` is collected and the comparison published: a table
-ranked by a metric (default ``fid``) with step time and peak memory, and a markdown report
-with a plot, written to ``reports/sweep.md`` (+ ``.png``, ``.json``) and as Prefect
-artifacts. This report is the project's answer to "which strategy should I use".
+seeds, at a small ``train.kimg``) is validated by the params schema first; then each is one
+run of the pipeline flow (a subflow, in a checkout of its own at the commit the sweep
+started from, recorded as a DVC experiment), up to ``parallel`` at a time through Prefect's
+thread-pool task runner, with Prefect's retries and cancellation. When all have ended, the
+comparison is published: a table ranked by a metric (default ``fid``) with step time and
+peak memory, and a markdown report with a plot, written to ``reports/sweep.md`` (+ ``.png``,
+``.json``) and as Prefect artifacts. This report is the project's answer to "which strategy
+should I use".
 
 Run once by hand::
 
     python -m flows.sweep                                   # the default grid
     python -m flows.sweep --grid '{"train.strategy": ["d_first_detach", "g_first_detach"]}' \\
-        --base '{"train.kimg": 1}' --name tiny
+        --base '{"train.kimg": 1}' --name tiny --parallel 2
 """
 
 from __future__ import annotations
@@ -24,16 +25,16 @@ import json
 import os
 import platform
 import re
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows import report, workspace
-from flows.pipeline import retry_only_transient, run_logger
+from flows import checkout, report
+from flows.pipeline import check_overrides, pipeline, retry_only_transient, run_logger
 from ganpipe.params import ParamsError
 
 #: The question this project started from: which update strategy, at which precision.
@@ -46,15 +47,6 @@ DEFAULT_GRID: dict[str, list[Any]] = {
 DEFAULT_BASE: dict[str, Any] = {"train.kimg": 20}
 #: Grid keys that repeat a setting rather than define one; the summary averages over them.
 REPEAT_KEYS = ("seed",)
-FINISHED = ("success", "failed")
-#: Consecutive failed polls of the queue tolerated (and failed `dvc exp show` at the end).
-MAX_POLL_ERRORS = 5
-#: Seconds a `dvc queue status` or `dvc exp show` may take before it is killed and asked again.
-POLL_TIMEOUT_S = 120.0
-#: Seconds unfinished experiments may go without a live queue worker before they count as lost.
-NO_WORKER_GRACE_S = 30.0
-#: How many times lost experiments are queued again before the sweep gives up.
-MAX_REQUEUES = 2
 
 
 def plan_runs(
@@ -80,189 +72,47 @@ def plan_runs(
 
 @task(task_run_name="validate grid")
 def validate_runs(
-    project: str, planned: dict[str, dict[str, Any]], base: dict[str, Any]
+    project: str, commit: str, planned: dict[str, dict[str, Any]], base: dict[str, Any]
 ) -> dict[str, dict[str, Any]]:
-    """Validate every combination with the params schema; return name -> full overrides.
+    """Validate every combination as the pipeline flow would; return name -> overrides.
 
     Raises:
-        ValueError: listing every invalid combination and its problems; nothing is queued.
+        ValueError: listing every invalid combination and its problems; nothing runs.
     """
     valid, problems = {}, []
     for name, settings in planned.items():
         try:
-            valid[name] = workspace.validate_overrides(Path(project), {**base, **settings})
-        except ParamsError as exc:
+            valid[name] = check_overrides.fn(project, commit, {**base, **settings}, name)
+        except (ParamsError, ValueError) as exc:
             problems.append(f"{name}: {exc}")
     if problems:
         raise ValueError("invalid sweep combinations:\n" + "\n".join(problems))
     return valid
 
 
-@task(retries=3, retry_delay_seconds=10, retry_condition_fn=retry_only_transient)
-def queue_experiment(project: str, name: str, overrides: dict[str, Any]) -> str:
-    """``dvc exp run --queue --name NAME -S ...``: snapshot the workspace with the overrides."""
-    args = ["exp", "run", "--queue", "--name", name, *workspace.set_args(overrides)]
-    workspace.run_dvc(args, Path(project), run_logger().info)
-    return name
+@task(retry_condition_fn=retry_only_transient)
+def run_point(name: str, overrides: dict[str, Any], commit: str) -> dict[str, Any]:
+    """One experiment of the sweep: the pipeline flow as a subflow run of its own."""
+    return pipeline.with_options(flow_run_name=name)(overrides, name, commit, stage_retries=0)
 
 
-@task(
-    task_run_name="start queue workers",
-    retries=3,
-    retry_delay_seconds=10,
-    retry_condition_fn=retry_only_transient,
-)
-def start_workers(project: str, jobs: int) -> None:
-    """``dvc queue start -j JOBS``; the workers exit when the queue is empty."""
-    args = ["queue", "start", "-j", str(jobs)]
-    workspace.run_dvc(args, Path(project), run_logger().info, leaves_daemons=True)
-
-
-@task(task_run_name="wait for experiments")
-def wait_for(
-    project: str,
-    overrides: dict[str, dict[str, Any]],
-    jobs: int,
-    poll_s: float,
-    timeout_s: float,
-    lock_timeout_s: float,
-) -> dict[str, dict[str, Any]]:
-    """Wait until every named experiment succeeded or failed; return their records.
-
-    Progress is read from ``dvc queue status``, which only reads the queue's own files;
-    ``dvc exp show`` also opens and fetches from the running experiments' temporary copies,
-    so it runs once, at the end. (In one CI run, polling with ``dvc exp show`` went silent
-    for six minutes after both experiments had finished.) Every call is killed and asked
-    again after :data:`POLL_TIMEOUT_S`.
-
-    DVC's queue can lose a task: a worker that is stopping because the queue looked empty
-    takes a task queued at that moment and exits without running it, which then shows as
-    running forever. When unfinished experiments have had no live worker for
-    :data:`NO_WORKER_GRACE_S`, the lost ones are queued again (up to :data:`MAX_REQUEUES`
-    times) and workers started.
-
-    Returns:
-        name -> its record from :func:`flows.workspace.experiments`.
+def report_file(project: Path, report_path: str) -> Path:
+    """``report_path`` resolved inside ``project``.
 
     Raises:
-        TimeoutError: naming the experiments still queued or running.
-        RuntimeError: experiments lost again after :data:`MAX_REQUEUES` new starts.
+        ValueError: an absolute path, or one that leaves the project.
     """
-    log = run_logger()
-    root = Path(project)
-    names = list(overrides)
-    deadline = time.monotonic() + timeout_s
-    last, requeues, idle_since = "", 0, None
-    while True:
-        queued = workspace.queue_states(ask_dvc(["queue", "status"], root, poll_s))
-        states = {name: queued.get(name, "missing") for name in names}
-        counts = {s: sum(v == s for v in states.values()) for s in sorted(set(states.values()))}
-        summary = ", ".join(f"{n} {s}" for s, n in counts.items())
-        if summary != last:
-            log.info("experiments: %s", summary)
-            last = summary
-        pending = [n for n, s in states.items() if s not in FINISHED]
-        if not pending:
-            break
-        if workspace.queue_workers_alive(root):
-            idle_since = None
-        elif idle_since is None:
-            idle_since = time.monotonic()
-        elif time.monotonic() - idle_since > NO_WORKER_GRACE_S:
-            if requeues == MAX_REQUEUES:
-                raise RuntimeError(
-                    f"DVC's queue lost {', '.join(pending)} again after {requeues} new "
-                    "start(s): no queue worker is running them; see `dvc queue status` and "
-                    "`dvc queue logs NAME`, then run the sweep again"
-                )
-            requeues += 1
-            lost = [n for n in pending if states[n] != "queued"]
-            log.warning(
-                "no DVC queue worker alive for %.0f s with %s unfinished; queueing %s again "
-                "and starting workers (%d/%d)",
-                NO_WORKER_GRACE_S,
-                ", ".join(pending),
-                ", ".join(lost) or "nothing",
-                requeues,
-                MAX_REQUEUES,
-            )
-            requeue(root, {n: overrides[n] for n in lost}, lock_timeout_s)
-            start_workers.fn(project, jobs)
-            idle_since = None
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"{len(pending)} experiment(s) unfinished after {timeout_s:.0f} s: "
-                f"{', '.join(pending)}; see `dvc queue status` (raise timeout_s for long grids)"
-            )
-        time.sleep(poll_s)
-    return collect(root, names, poll_s)
-
-
-def requeue(project: Path, overrides: dict[str, dict[str, Any]], lock_timeout_s: float) -> None:
-    """Queue lost experiments again: mark the lost task failed, remove it, queue it anew.
-
-    Like the first queueing, this snapshots the workspace, so it waits for the flow lock.
-    """
-    log = run_logger()
-    with workspace.workspace_lock(project, lock_timeout_s, log.info):
-        for name, values in overrides.items():
-            for command in (["queue", "kill", name], ["queue", "remove", name]):
-                try:
-                    workspace.run_dvc(command, project, log.info)
-                except workspace.DvcCommandError as exc:
-                    log.warning("%s", exc)
-            queue_experiment.fn(str(project), name, values)
-
-
-def collect(project: Path, names: list[str], poll_s: float) -> dict[str, dict[str, Any]]:
-    """The finished experiments' records from ``dvc exp show --json``."""
-    found = workspace.experiments(json.loads(ask_dvc(["exp", "show", "--json"], project, poll_s)))
-    missing = [n for n in names if n not in found]
-    if missing:
-        raise RuntimeError(
-            f"`dvc exp show` lists no experiment named {', '.join(missing)}, although "
-            "`dvc queue status` says it finished; see `dvc queue logs NAME`"
+    path = (project / report_path).resolve()
+    if Path(report_path).is_absolute() or not path.is_relative_to(project.resolve()):
+        raise ValueError(
+            f"report_path={report_path!r} must be a path inside the project, relative to it "
+            "(e.g. reports/sweep.md)"
         )
-    return {name: found[name] for name in names}
-
-
-def ask_dvc(args: list[str], project: Path, poll_s: float) -> str:
-    """Output of a reporting DVC command, asked again (``poll_s`` apart) while it fails.
-
-    Each try is killed after :data:`POLL_TIMEOUT_S`. A failure can be passing: ``dvc exp
-    show`` trips over a queue worker's run files vanishing ("No such file or directory:
-    .dvc/tmp/exps/run/..."). The error of the try after :data:`MAX_POLL_ERRORS` is raised.
-    """
-    misses = 0
-    while True:
-        try:
-            return workspace.dvc_output(args, project, POLL_TIMEOUT_S)
-        except workspace.DvcCommandError as exc:
-            misses += 1
-            if misses > MAX_POLL_ERRORS:
-                raise
-            run_logger().warning(
-                "dvc %s failed (%d/%d), asking again: %s", args[0], misses, MAX_POLL_ERRORS, exc
-            )
-            time.sleep(poll_s)
-
-
-def failure_reasons(project: Path, names: list[str]) -> dict[str, str]:
-    """The stage's own error message of each failed experiment (``dvc queue logs``)."""
-    reasons = {}
-    for name in names:
-        command = ["queue", "logs", name]
-        try:
-            output = workspace.run_dvc(command, project, lambda _: None)
-        except workspace.DvcCommandError as exc:
-            output = exc.tail
-        reasons[name] = workspace.failure_message(["dvc", *command], 0, output).splitlines()[0]
-    return reasons
+    return path
 
 
 @task(task_run_name="publish report")
 def publish_report(
-    project: str,
     planned: dict[str, dict[str, Any]],
     found: dict[str, dict[str, Any]],
     metric: str,
@@ -272,7 +122,7 @@ def publish_report(
 ) -> dict[str, Any]:
     """Write the report (markdown, PNG plot, JSON) and publish it as Prefect artifacts."""
     failed = [n for n, exp in found.items() if exp.get("state") == "failed"]
-    runs = report.collect_runs(planned, found, metric, failure_reasons(Path(project), failed))
+    runs = report.collect_runs(planned, found, metric)
     keys = list(next(iter(planned.values())))
     group_keys = [k for k in keys if k not in REPEAT_KEYS]
     groups = report.group_runs(runs, group_keys, higher_is_better)
@@ -312,13 +162,6 @@ def publish_report(
     return {"report": str(md_path), "plot": str(png_path), "runs": table, "failed": failed}
 
 
-def _git_commit(project: Path) -> str:
-    result = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=project, capture_output=True, text=True
-    )
-    return result.stdout.strip() or "unknown"
-
-
 @flow(name="ganpipe-sweep")
 def sweep(
     grid: dict[str, list[Any]] | None = None,
@@ -326,12 +169,9 @@ def sweep(
     metric: str = "fid",
     higher_is_better: bool = False,
     sweep_name: str | None = None,
-    jobs: int = 1,
+    parallel: int = 1,
+    retries: int = 0,
     report_path: str = "reports/sweep.md",
-    project_dir: str | None = None,
-    poll_s: float = 10.0,
-    timeout_s: float = 48 * 3600,
-    lock_timeout_s: float = 6 * 3600,
 ) -> dict[str, Any]:
     """Run a grid of DVC experiments and publish their comparison.
 
@@ -342,38 +182,70 @@ def sweep(
         metric: dotted metric key to rank by, looked up in every DVC metrics file.
         higher_is_better: rank descending (e.g. for precision or recall).
         sweep_name: prefix of the experiment names (default ``sweep-YYYYmmdd-HHMMSS``).
-        jobs: parallel queue workers (each runs one experiment; mind the CPU threads).
+        parallel: experiments at once (each trains in its own process; mind the CPU threads).
+        retries: new attempts of an experiment whose process was killed.
         report_path: markdown report, relative to the project; ``.png`` and ``.json`` beside.
-        project_dir: the DVC project (default: the one holding this file).
-        poll_s: seconds between checks of the queue.
-        timeout_s: give up waiting after this many seconds.
-        lock_timeout_s: how long to wait for a pipeline run that is changing the workspace.
     """
     log = run_logger()
-    project = Path(project_dir).resolve() if project_dir else workspace.PROJECT_ROOT
+    project = checkout.PROJECT_ROOT
+    md_path = report_file(project, report_path)
+    if parallel < 1:
+        raise ValueError(f"parallel={parallel}: run at least 1 experiment at a time")
     grid = DEFAULT_GRID if grid is None else grid
     base = DEFAULT_BASE if base is None else base
     sweep_name = sweep_name or time.strftime("sweep-%Y%m%d-%H%M%S")
+    commit = checkout.resolve_commit(project, None)
     planned = plan_runs(grid, base, sweep_name)
-    overrides = validate_runs(str(project), planned, base)
-    log.info("sweep %s: %d experiments", sweep_name, len(planned))
-    # Queueing snapshots the workspace; a pipeline run must not be half-way through it.
-    with workspace.workspace_lock(project, lock_timeout_s, log.info):
-        for name, values in overrides.items():
-            queue_experiment.with_options(task_run_name=f"queue {name}")(str(project), name, values)
-    start_workers(str(project), jobs)
-    found = wait_for(str(project), overrides, jobs, poll_s, timeout_s, lock_timeout_s)
+    overrides = validate_runs(str(project), commit, planned, base)
+    log.info(
+        "sweep %s: %d experiments at %s, %d at a time",
+        sweep_name,
+        len(planned),
+        commit[:7],
+        parallel,
+    )
+    found: dict[str, dict[str, Any]] = {}
+    with ThreadPoolTaskRunner(max_workers=parallel) as runner:
+        point = run_point.with_options(retries=retries)
+        futures = {
+            name: runner.submit(
+                point.with_options(task_run_name=f"experiment {name}"),
+                {"name": name, "overrides": values, "commit": commit},
+            )
+            for name, values in overrides.items()
+        }
+        try:
+            for name, future in futures.items():
+                while not future.state.is_final():
+                    # A bounded wait: an unbounded one would not let Prefect's SIGTERM
+                    # handler (the runner cancelling this run) raise until it returned.
+                    future.wait(timeout=1)
+                if future.state.is_completed():
+                    metrics = future.result()["metrics_files"]
+                    found[name] = {"metrics": metrics, "state": "success"}
+                else:
+                    error = future.state.result(raise_on_failure=False)
+                    found[name] = {
+                        "state": "failed",
+                        "error": (str(error) or repr(error)).splitlines()[0],
+                    }
+        except BaseException as exc:
+            # Cancelled (SIGTERM from the runner): stop every experiment now, before the
+            # task runner waits for its threads on the way out.
+            if not isinstance(exc, Exception):
+                for future in futures.values():
+                    future.wrapped_future.cancel()  # those waiting for a thread never start
+                checkout.kill_children()
+            raise
     context = {
         "sweep": f"`{sweep_name}`, {time.strftime('%Y-%m-%d %H:%M')}",
-        "project commit": f"`{_git_commit(project)}` (experiments start from the workspace)",
+        "project commit": f"`{commit[:7]}` (every experiment starts from it)",
         "grid": f"`{json.dumps(grid)}`",
         "shared overrides": f"`{json.dumps(base)}`",
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {jobs} queue worker(s)",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {parallel} at a time",
         "experiments": "`dvc exp show`; `dvc exp apply NAME` restores one in the workspace",
     }
-    result = publish_report(
-        str(project), planned, found, metric, higher_is_better, str(project / report_path), context
-    )
+    result = publish_report(planned, found, metric, higher_is_better, str(md_path), context)
     if result["failed"]:
         raise RuntimeError(
             f"{len(result['failed'])} of {len(planned)} experiments failed "
@@ -389,11 +261,10 @@ def main() -> None:
     parser.add_argument("--metric", default="fid")
     parser.add_argument("--higher-is-better", action="store_true")
     parser.add_argument("--name", dest="sweep_name", default=None)
-    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--parallel", type=int, default=1, help="experiments at once")
+    parser.add_argument("--retries", type=int, default=0, help="attempts after a killed run")
     parser.add_argument("--report", dest="report_path", default="reports/sweep.md")
-    parser.add_argument("--project-dir", default=None, help="default: this checkout")
-    args = parser.parse_args()
-    sweep(**vars(args))
+    sweep(**vars(parser.parse_args()))
 
 
 if __name__ == "__main__":

@@ -89,6 +89,22 @@ def clone_working_tree(root: Path, params_update: dict) -> Path:
     return root
 
 
+def experiments(project: Path) -> dict[str, dict]:
+    """Named experiments of ``dvc exp show --json`` in ``project``: name -> ``params``
+    (params.yaml, nested), ``metrics`` (file -> nested values), ``rev``."""
+    found = {}
+    for commit in json.loads(sh(["dvc", "exp", "show", "--json"], project).stdout):
+        for exp in commit.get("experiments") or []:
+            for rev in exp.get("revs") or []:
+                data = rev.get("data") or {}
+                found[rev.get("name") or exp.get("name")] = {
+                    "params": ((data.get("params") or {}).get("params.yaml") or {}).get("data"),
+                    "metrics": {p: e.get("data") for p, e in (data.get("metrics") or {}).items()},
+                    "rev": rev.get("rev"),
+                }
+    return found
+
+
 def write_project(root: Path, base: dict, data_dir: Path | None = None, **sections) -> Path:
     """A project folder: ``base`` params updated per section, ``data`` linked to ``data_dir``.
 

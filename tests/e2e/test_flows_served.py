@@ -1,127 +1,225 @@
-"""The Prefect flows for real: a local server on a free loopback port, the deployments
-served from a temporary clone (what ``make serve`` starts), real DVC runs with tiny params.
+"""The Prefect flows for real: a local server with credentials on a free loopback port, the
+deployments served from a temporary clone (what ``make serve`` starts), real git worktrees
+and DVC runs with tiny params.
 
-One server and one serve process for the module; the tests run in file order and share
-the clone's DVC workspace, as the deployments of a real checkout would.
+One server and one serve process for the module; the tests run in file order. Every flow
+run works in a checkout of its own, so the clone's workspace must stay byte-identical
+through all of them (checked by the last test).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 from PIL import Image
 
-from flows import service, workspace
+from flows import checkout, service
 from tests.e2e.conftest import TINY, copy_project
-from tests.helpers import sh
+from tests.helpers import experiments, sh
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("served")]
 
 PIPELINE, SWEEP = "ganpipe-pipeline/local", "ganpipe-sweep/local"
 INTERVAL_S = 5
+#: What a flow run could change in the workspace if it ran there.
+WORKSPACE = ("params.yaml", "dvc.lock", "data", "models", "metrics")
+
+
+def snapshot(root: Path, names=WORKSPACE) -> dict[str, bytes]:
+    files = {}
+    for name in names:
+        for path in [root / name, *sorted((root / name).rglob("*"))]:
+            if path.is_file():
+                files[str(path.relative_to(root))] = path.read_bytes()
+    return files
 
 
 @pytest.fixture(scope="module")
 def project(tiny_baseline, tmp_path_factory) -> Path:
-    """A copy of the reproduced tiny baseline: later runs start from its cache."""
+    """A copy of the reproduced tiny baseline: runs start from its commit and cache."""
     return copy_project(tiny_baseline, tmp_path_factory.mktemp("flows") / "clone")
 
 
 @pytest.fixture(scope="module")
-def served(project, tmp_path_factory):
+def workspace_before(project) -> dict[str, bytes]:
+    return snapshot(project)
+
+
+@pytest.fixture(scope="module")
+def served(project, workspace_before, tmp_path_factory):
     """Server + served deployments (pipeline every INTERVAL_S seconds), stopped at the end."""
     state_dir = tmp_path_factory.mktemp("state")
-    url = service.start(
+    env = service.start(
         state_dir,
         service.free_port(),
         ["--pipeline", str(INTERVAL_S), "--sweep", "off"],
-        project=project,
         extra_env={"PREFECT_RUNNER_POLL_FREQUENCY": "1"},
+        project=project,
     )
     try:
-        yield url, state_dir
+        yield env, state_dir
     finally:
         service.stop(state_dir)
 
 
 @contextlib.contextmanager
-def client(url: str):
+def client(env: dict):
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as c:
+    settings = {
+        PREFECT_API_URL: env["PREFECT_API_URL"],
+        PREFECT_API_AUTH_STRING: env["PREFECT_API_AUTH_STRING"],
+    }
+    with temporary_settings(settings), get_client(sync_client=True) as c:
         yield c
 
 
-def start_run(url: str, deployment: str, parameters: dict):
+def start_run(env: dict, deployment: str, parameters: dict):
     """Create a flow run of ``deployment`` and return it at once (the runner picks it up)."""
     from prefect.deployments import run_deployment
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: url}):
+    settings = {
+        PREFECT_API_URL: env["PREFECT_API_URL"],
+        PREFECT_API_AUTH_STRING: env["PREFECT_API_AUTH_STRING"],
+    }
+    with temporary_settings(settings):
         return run_deployment(deployment, parameters=parameters, timeout=0, as_subflow=False)
 
 
-def wait_final(url: str, run_id, timeout_s: float = 300):
+def wait_final(env: dict, run_id, timeout_s: float = 300):
     """The flow run once it is in a final state (completed, failed, crashed...)."""
     deadline = time.monotonic() + timeout_s
-    with client(url) as c:
+    with client(env) as c:
         while time.monotonic() < deadline:
             run = c.read_flow_run(run_id)
             if run.state and run.state.is_final():
                 return run
             time.sleep(1)
-    raise AssertionError(
-        f"flow run {run_id} not finished after {timeout_s} s: {run.state}; its log:\n"
-        + logs(url, run_id)
-    )
+    raise AssertionError(f"flow run {run_id} not final after {timeout_s} s:\n{logs(env, run_id)}")
 
 
-def run_and_wait(url: str, deployment: str, parameters: dict, timeout_s: float = 300):
-    return wait_final(url, start_run(url, deployment, parameters).id, timeout_s)
+def run_and_wait(env: dict, deployment: str, parameters: dict, timeout_s: float = 300):
+    return wait_final(env, start_run(env, deployment, parameters).id, timeout_s)
 
 
-def task_runs(url: str, run_id) -> dict:
+def task_runs(env: dict, run_id) -> dict:
     """Task run name -> task run, of one flow run."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    with client(url) as c:
+    with client(env) as c:
         runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
     return {run.name: run for run in runs}
 
 
-def artifacts(url: str, run_id) -> dict:
+def artifacts(env: dict, run_id) -> dict:
     """Artifact key -> artifact, of one flow run."""
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
     flow_filter = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]))
-    with client(url) as c:
+    with client(env) as c:
         return {a.key: a for a in c.read_artifacts(artifact_filter=flow_filter)}
 
 
-def logs(url: str, run_id) -> str:
+def logs(env: dict, run_id) -> str:
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-    with client(url) as c:
+    with client(env) as c:
         found = c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
     return "\n".join(entry.message for entry in found)
 
 
-def experiment(project: Path, name: str) -> dict:
-    shown = json.loads(sh(["dvc", "exp", "show", "--json"], project).stdout)
-    return workspace.experiments(shown)[name]
+def no_checkout_left(project: Path) -> None:
+    assert not list((project / checkout.CHECKOUTS).glob("*"))
+    assert sh(["git", "worktree", "list"], project).stdout.count("\n") == 1
 
 
-def test_scheduled_runs_complete_with_artifacts_and_are_listed(served, project):
-    url, state_dir = served
-    with client(url) as c:
+def processes_in(project: Path, text: str = "", run: str = "") -> list[int]:
+    """Processes working in a checkout of ``project`` (of runs named ``run*``) whose command
+    line has ``text``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if (
+                proc.name.isdigit()
+                and os.readlink(proc / "cwd").startswith(str(project / checkout.CHECKOUTS / run))
+                and text.encode() in (proc / "cmdline").read_bytes()
+            ):
+                found.append(int(proc.name))
+    return found
+
+
+def request(env: dict, method: str, path: str, headers: dict, body: bytes | None = None):
+    url = env["PREFECT_API_URL"] + path
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, body, headers, method=method)) as r:
+            return r.status, r.headers
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers
+
+
+def test_the_server_wants_credentials_listens_on_loopback_and_takes_no_paths(served):
+    env, state_dir = served
+    port = int(env["PREFECT_API_URL"].rsplit(":", 1)[1].split("/")[0])
+    token = base64.b64encode(env["PREFECT_API_AUTH_STRING"].encode()).decode()
+    json_body = {"Content-Type": "application/json"}
+    assert request(env, "POST", "/flow_runs/filter", json_body, b"{}")[0] == 401
+    wrong = {**json_body, "Authorization": "Basic " + base64.b64encode(b"ganpipe:x").decode()}
+    assert request(env, "POST", "/flow_runs/filter", wrong, b"{}")[0] == 401
+    authorised = {**json_body, "Authorization": f"Basic {token}"}
+    assert request(env, "POST", "/flow_runs/filter", authorised, b"{}")[0] == 200
+    for name in ("prefect-auth", "prefect.env"):
+        assert (state_dir / name).stat().st_mode & 0o777 == 0o600
+
+    def preflight(origin: str):
+        headers = {"Origin": origin, "Access-Control-Request-Method": "POST"}
+        return request(env, "OPTIONS", "/flow_runs/filter", headers)[1]
+
+    assert preflight("http://evil.example").get("access-control-allow-origin") is None
+    own = f"http://127.0.0.1:{port}"
+    assert preflight(own).get("access-control-allow-origin") == own
+
+    # every listening socket on the port is bound to 127.0.0.1 (/proc/net/tcp: hex, LISTEN=0A)
+    listening = [
+        line.split()[1]
+        for table in ("/proc/net/tcp", "/proc/net/tcp6")
+        for line in Path(table).read_text().splitlines()[1:]
+        if line.split()[1].endswith(f":{port:04X}") and line.split()[3] == "0A"
+    ]
+    assert listening == [f"0100007F:{port:04X}"]
+
+    with client(env) as c:
+        for name in (PIPELINE, SWEEP):
+            schema = c.read_deployment_by_name(name).parameter_openapi_schema["properties"]
+            assert not {"project_dir", "project"} & set(schema), name
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    with pytest.raises(PrefectHTTPStatusError, match="project_dir") as refused:
+        start_run(env, PIPELINE, {"project_dir": "/tmp"})
+    assert refused.value.response.status_code == 409
+    with client(env) as c:
+        assert not c.read_flow_runs()  # nothing was created
+
+
+def test_scheduled_runs_are_experiments_with_artifacts_and_are_listed(
+    served, project, tiny_baseline
+):
+    env, state_dir = served
+    with client(env) as c:
         deployment = c.read_deployment_by_name(PIPELINE)
 
         def scheduled_runs():
@@ -146,172 +244,230 @@ def test_scheduled_runs_complete_with_artifacts_and_are_listed(served, project):
     assert done, [(r.name, r.state) for r in scheduled_runs()]
     run = done[0]
 
-    found = artifacts(url, run.id)
-    assert {"pipeline-metrics", "pipeline-run"} <= set(found)
+    found = artifacts(env, run.id)
     table = json.loads(found["pipeline-metrics"].data)
     metrics = {row["key"]: row["value"] for row in table if row["kind"] == "metric"}
     params = {row["key"]: row["value"] for row in table if row["kind"] == "param"}
     assert metrics["step"] == 128 and params["train.kimg"] == TINY["train"]["kimg"]
     markdown = found["pipeline-run"].data
-    assert f"file://{project}/samples/grid.png" in markdown
-    assert "no experiment: `dvc repro`" in markdown
-    stages = workspace.stage_names(project / "dvc.yaml")
-    assert {"prepare", "featurenet", "train", "generate", "evaluate"} <= set(stages)
-    assert ", ".join(f"{stage} (cached)" for stage in stages) in markdown
-    html = markdown.split("[index.html](file://")[1].split(")")[0]
-    assert Path(html).is_file()
+    assert f"DVC experiment: **{run.name}**" in markdown
+    # from the shared cache; train resumes its run from the project's checkpoints (DVC's
+    # run cache skips stages with persisted outputs) and makes the same bytes
+    for stage in checkout.stage_names(project / "dvc.yaml"):
+        assert f"{stage} ({'ran' if stage == 'train' else 'cached'})" in markdown
+    rev = experiments(project)[run.name]["rev"]
+    lock = yaml.safe_load(sh(["git", "show", f"{rev}:dvc.lock"], project).stdout)
+    assert model_md5(lock) == model_md5(yaml.safe_load((tiny_baseline / "dvc.lock").read_text()))
+    kept = project / ".state" / "runs" / run.name
+    assert f"file://{kept}/samples/grid.png" in markdown and (kept / "samples/grid.png").is_file()
+    assert (kept / "plots" / "index.html").is_file()
+    assert experiments(project)[run.name]["params"]["seed"] == TINY["seed"]
+    no_checkout_left(project)
 
-    # what a user of `make serve` types, with the environment it wrote
-    env = {**os.environ, "COLUMNS": "250"}
-    for line in (state_dir / "prefect.env").read_text().splitlines():
-        key, value = line.removeprefix("export ").split("=", 1)
-        env[key] = value
+    # what a user of `make flow-runs` gets, with the environment `make serve` wrote
+    shell = f". {state_dir / 'prefect.env'} && {sys.executable} -m prefect flow-run ls"
     listed = subprocess.run(
-        [sys.executable, "-m", "prefect", "flow-run", "ls"], env=env, capture_output=True, text=True
+        ["bash", "-c", shell],
+        env={**os.environ, "COLUMNS": "250", "PREFECT_API_AUTH_STRING": ""},
+        capture_output=True,
+        text=True,
     )
     assert listed.returncode == 0, listed.stderr
     assert run.name in listed.stdout and "COMPLETED" in listed.stdout
 
 
 def test_run_with_overrides_makes_an_experiment_with_those_params(served, project):
-    url, _ = served
+    env, _ = served
     overrides = {"data.image_size": 16, "train.strategy": "g_first_detach"}
-    run = run_and_wait(url, PIPELINE, {"overrides": overrides, "exp_name": "flow-small"})
+    run = run_and_wait(env, PIPELINE, {"overrides": overrides, "exp_name": "flow-small"})
     assert run.state.is_completed(), run.state.message
-    exp = experiment(project, "flow-small")
+    exp = experiments(project)["flow-small"]
     assert exp["params"]["data"]["image_size"] == 16
     assert exp["params"]["train"]["strategy"] == "g_first_detach"
     assert exp["metrics"]["metrics/train/metrics.json"]["step"] == 128
-    # like `dvc exp run`, the workspace holds the experiment's params and outputs
-    assert Image.open(project / "samples/grid.png").size == (2 * 18 + 2, 2 * 18 + 2)
-    assert "up to date" in sh(["dvc", "status"], project).stdout
-    assert "DVC experiment: **flow-small**" in artifacts(url, run.id)["pipeline-run"].data
+    with Image.open(project / ".state/runs/flow-small/samples/grid.png") as grid:
+        assert grid.size == (2 * 18 + 2, 2 * 18 + 2)
+    assert "DVC experiment: **flow-small**" in artifacts(env, run.id)["pipeline-run"].data
+    # the name is taken now: a second run under it fails before any stage
+    again = run_and_wait(env, PIPELINE, {"exp_name": "flow-small"})
+    assert again.state.is_failed() and "dvc exp remove flow-small" in again.state.message
 
 
-def test_bad_override_fails_before_any_stage(served, project):
-    url, _ = served
-    run = run_and_wait(url, PIPELINE, {"overrides": {"train.batch_sise": 8}})
+def test_bad_override_fails_before_any_stage(served):
+    env, _ = served
+    run = run_and_wait(env, PIPELINE, {"overrides": {"train.batch_sise": 8}})
     assert run.state.is_failed()
     assert "train.batch_sise" in run.state.message
     assert "Did you mean train.batch_size" in run.state.message
-    assert not [name for name in task_runs(url, run.id) if name.startswith("stage")]
+    assert not [name for name in task_runs(env, run.id) if name.startswith("stage")]
 
 
 def test_failing_stage_fails_the_run_with_its_message_without_retry(served, project):
-    url, _ = served
-    params_before = (project / "params.yaml").read_text()
+    env, _ = served
     overrides = {"data.source": "folder", "data.path": "no-such-folder"}
-    run = run_and_wait(url, PIPELINE, {"overrides": overrides, "retry_delay_s": 1})
+    run = run_and_wait(env, PIPELINE, {"overrides": overrides, "retry_delay_s": 1})
     assert run.state.is_failed()
     assert "error: data.path='no-such-folder' does not exist" in run.state.message
-    tasks = task_runs(url, run.id)
+    tasks = task_runs(env, run.id)
     assert tasks["stage prepare"].state.is_failed()
     assert tasks["stage prepare"].run_count == 1  # a stage's own error is not retried
     assert "stage train" not in tasks
-    assert (project / "params.yaml").read_text() == params_before
+    no_checkout_left(project)
 
 
-def test_held_dvc_lock_is_retried_until_free(served, project):
-    url, _ = served
-    release = project.parent / "release-lock"
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import os, sys, time, zc.lockfile\n"
-            "lock = zc.lockfile.LockFile(sys.argv[1]); print('held', flush=True)\n"
-            "deadline = time.time() + 120\n"
-            "while not os.path.exists(sys.argv[2]) and time.time() < deadline: time.sleep(0.1)\n",
-            str(project / ".dvc" / "tmp" / "lock"),
-            str(release),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
+def model_md5(lock: dict) -> str:
+    outs = lock["stages"]["train"]["outs"]
+    return next(o["md5"] for o in outs if o["path"] == "models/generator.pt")
+
+
+def test_a_flow_run_and_a_user_running_experiments_in_the_workspace(served, project, tiny_baseline):
+    """The user loops `dvc exp run -S seed=N` in the workspace while a served run with
+    seed 1 goes on: both complete, and every experiment's dvc.lock holds the params its
+    models were trained with (training is deterministic: one seed, one model)."""
+    env, _ = served
+    stop = project.parent / "stop-user-loop"
+    loop = (
+        f"n=2; while [ ! -e {stop} ]; do "
+        "dvc exp run -q -S seed=$n --name user-$n && n=$((n+1)) || sleep 0.5; done"
+    )
+    user = subprocess.Popen(
+        ["bash", "-c", loop], cwd=project, env={**os.environ, "DVC_NO_ANALYTICS": "1"}
     )
     try:
-        assert holder.stdout.readline().strip() == "held"
-        started = start_run(url, PIPELINE, {"stage_retries": 10, "retry_delay_s": 1})
-        deadline = time.monotonic() + 120
-        while "Unable to acquire lock" not in logs(url, started.id):
-            assert time.monotonic() < deadline, logs(url, started.id)
-            time.sleep(1)
-        release.touch()
-        run = wait_final(url, started.id)
+        time.sleep(2)  # the user's first experiment has started writing the workspace
+        run = run_and_wait(env, PIPELINE, {"overrides": {"seed": 1}, "exp_name": "flow-seed1"})
+        deadline = time.monotonic() + 240
+        while "user-2" not in experiments(project):
+            assert user.poll() is None and time.monotonic() < deadline, "no user experiment"
+            time.sleep(2)
     finally:
-        release.touch()
-        holder.wait(timeout=30)
+        stop.touch()
+        user.wait(timeout=300)
     assert run.state.is_completed(), run.state.message
-    assert task_runs(url, run.id)["stage prepare"].run_count >= 2
+
+    found = experiments(project)
+    made = {name: exp for name, exp in found.items() if name.startswith(("user-", "flow-seed1"))}
+    assert made["flow-seed1"]["params"]["seed"] == 1
+    by_seed: dict[int, set[str]] = {}
+    for name, exp in made.items():
+        lock = yaml.safe_load(sh(["git", "show", f"{exp['rev']}:dvc.lock"], project).stdout)
+        seed = lock["stages"]["train"]["params"]["params.yaml"]["seed"]
+        assert seed == exp["params"]["seed"] == (1 if name == "flow-seed1" else int(name[5:]))
+        by_seed.setdefault(seed, set()).add(model_md5(lock))
+    baseline = yaml.safe_load((tiny_baseline / "dvc.lock").read_text())
+    assert by_seed[1] == {model_md5(baseline)}  # the flow's models are seed 1's
+    assert all(len(md5s) == 1 for md5s in by_seed.values()), by_seed
+    assert len({next(iter(m)) for m in by_seed.values()}) == len(by_seed)  # seeds differ
+
+    # the workspace holds what the user's last experiment left, nothing of the flow's
+    last = max((n for n in made if n.startswith("user-")), key=lambda n: int(n[5:]))
+    for name in ("params.yaml", "dvc.lock"):
+        committed = sh(["git", "show", f"{made[last]['rev']}:{name}"], project).stdout
+        assert (project / name).read_text() == committed, name
+    no_checkout_left(project)
+    # back to the baseline for the next tests (what the user would do)
+    sh(["git", "checkout", "--", "."], project)
+    sh(["dvc", "checkout", "-q"], project)
 
 
-def test_two_runs_at_once_take_turns_on_the_workspace(served, project):
-    url, _ = served
-    # the baseline's data (seed 1, 32 px): prepare and featurenet come from DVC's run cache;
-    # both set every key either changes, as the workspace keeps the last run's params
-    shared = {"seed": 1, "data.image_size": 32}
-    a_set = {**shared, "train.lr_g": 0.001, "train.kimg": 0.128}
-    b_set = {**shared, "train.lr_g": 0.0002, "train.kimg": 0.096}
-    first = start_run(url, PIPELINE, {"overrides": a_set, "exp_name": "flow-a"})
-    second = start_run(url, PIPELINE, {"overrides": b_set, "exp_name": "flow-b"})
-    runs = [wait_final(url, first.id), wait_final(url, second.id)]
-    assert all(run.state.is_completed() for run in runs), [r.state.message for r in runs]
-
-    a, b = experiment(project, "flow-a"), experiment(project, "flow-b")
-    assert a["params"]["train"]["lr_g"] == 0.001 and b["params"]["train"]["kimg"] == 0.096
-    assert a["params"]["data"]["image_size"] == b["params"]["data"]["image_size"] == 32
-    assert a["metrics"]["metrics/train/metrics.json"]["step"] == 128
-    assert b["metrics"]["metrics/train/metrics.json"]["step"] == 96
-    assert "up to date" in sh(["dvc", "status"], project).stdout
-
-    # one run's stages all ran before the other's: the flow lock, not luck
-    spans = []
-    for run in runs:
-        stages = [t for name, t in task_runs(url, run.id).items() if name.startswith("stage")]
-        spans.append((min(t.start_time for t in stages), max(t.end_time for t in stages)))
-    spans.sort()
-    assert spans[0][1] <= spans[1][0], spans
-    assert any("workspace busy" in logs(url, run.id) for run in runs)
-
-
-def test_sweep_publishes_a_ranked_report(served, project):
-    url, _ = served
+def test_sweep_runs_in_parallel_retries_a_killed_experiment_and_ranks(served, project):
+    env, _ = served
     parameters = {
-        "grid": {"train.strategy": ["d_first_detach", "g_first_detach"]},
-        "base": {"seed": 1},
+        "grid": {
+            "train.strategy": ["d_first_detach", "g_first_detach"],
+            "train.lr_d": [2e-4, 1e-3],
+        },
+        "base": {"seed": 1, "train.kimg": 0.256},
         "metric": "loss.d",
         "sweep_name": "tiny",
-        "poll_s": 2,
+        "parallel": 2,
+        "retries": 1,
         "report_path": "reports/tiny.md",
     }
-    run = run_and_wait(url, SWEEP, parameters, timeout_s=400)
-    assert run.state.is_completed(), run.state.message
+    started = start_run(env, SWEEP, parameters)
+    deadline = time.monotonic() + 300
+    while not (training := processes_in(project, "stages.train")):
+        assert time.monotonic() < deadline, logs(env, started.id)
+        time.sleep(0.05)
+    os.kill(training[0], signal.SIGKILL)  # a worker process dies mid-experiment
+    run = wait_final(env, started.id, timeout_s=400)
+    assert run.state.is_completed(), run.state.message + logs(env, run.id)
 
+    tasks = [t for n, t in task_runs(env, run.id).items() if n.startswith("experiment")]
+    assert sorted(t.run_count for t in tasks) == [1, 1, 1, 2]  # the killed one, retried
+    spans = sorted((t.start_time, t.end_time) for t in tasks)
+    assert any(b[0] < a[1] for a, b in itertools.pairwise(spans)), spans  # two ran at once
+    assert "exited with -9" in logs(env, run.id)
     result = json.loads((project / "reports/tiny.json").read_text())
-    names = [row["experiment"] for row in result["runs"]]
-    assert sorted(names) == ["tiny-d_first_detach", "tiny-g_first_detach"]
+    assert len(result["runs"]) == 4 and {r["state"] for r in result["runs"]} == {"success"}
     losses = [row["loss.d"] for row in result["runs"]]
     assert losses == sorted(losses) and all(isinstance(v, float) for v in losses)
+    found = experiments(project)
     for row in result["runs"]:
-        exp = experiment(project, row["experiment"])
+        exp = found[row["experiment"]]
         assert exp["params"]["train"]["strategy"] == row["train.strategy"]
         assert exp["metrics"]["metrics/train/metrics.json"]["loss"]["d"] == row["loss.d"]
-    markdown = (project / "reports/tiny.md").read_text()
-    assert "| 1 | " in markdown and "tiny-g_first_detach" in markdown
+    assert "| 1 | " in (project / "reports/tiny.md").read_text()
     with Image.open(project / "reports/tiny.png") as image:
         assert image.format == "PNG"
-    assert {"sweep-ranking", "sweep-report"} <= set(artifacts(url, run.id))
+    assert {"sweep-ranking", "sweep-report"} <= set(artifacts(env, run.id))
+    no_checkout_left(project)
 
 
-def test_stop_stops_what_start_started(served):
-    url, state_dir = served
-    pids = {
-        name: int((state_dir / f"{name}.pid").read_text())
-        for name in ("prefect-server", "flows-serve")
+def test_cancelling_a_sweep_stops_its_experiments_and_leaves_nothing(served, project):
+    from prefect.states import Cancelling
+
+    env, _ = served
+    parameters = {
+        "grid": {"train.lr_g": [3e-4, 4e-4, 5e-4]},
+        "base": {"seed": 1, "train.kimg": 40},
+        "sweep_name": "cancelled",
+        "parallel": 2,
+        "report_path": "reports/cancelled.md",
     }
+    started = start_run(env, SWEEP, parameters)
+    deadline = time.monotonic() + 300
+    while not processes_in(project, "stages.train"):
+        assert time.monotonic() < deadline, logs(env, started.id)
+        time.sleep(0.2)
+    with client(env) as c:
+        c.set_flow_run_state(started.id, Cancelling(), force=True)
+    run = wait_final(env, started.id, timeout_s=120)
+    assert run.state.is_cancelled(), run.state
+    deadline = time.monotonic() + 60
+    while processes_in(project, run="cancelled"):
+        assert time.monotonic() < deadline, "an experiment still runs after the cancel"
+        time.sleep(0.5)
+    assert not list((project / checkout.CHECKOUTS).glob("cancelled*"))
+    assert "cancelled" not in sh(["git", "worktree", "list"], project).stdout
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    # The experiments' subflow runs died with their process; the server's cancellation
+    # clean-up service (every 20 s) cancels the children of a cancelled flow run.
+    children = FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id]))
+    deadline = time.monotonic() + 90
+    with client(env) as c:
+        while unfinished := [
+            r.name for r in c.read_flow_runs(flow_run_filter=children) if not r.state.is_final()
+        ]:
+            assert time.monotonic() < deadline, unfinished
+            time.sleep(2)
+    assert not [name for name in experiments(project) if name.startswith("cancelled")]
+    assert not (project / "reports/cancelled.md").exists()
+
+
+def test_stop_stops_what_start_started_and_the_workspace_never_changed(
+    served, project, workspace_before
+):
+    env, state_dir = served
+    pids = [int((state_dir / "flows-serve.pid").read_text())]
+    pids.append(int((state_dir / "prefect" / "server.pid").read_text()))
     assert sorted(service.stop(state_dir)) == ["flows-serve", "prefect-server"]
-    for pid in pids.values():
-        with pytest.raises(ProcessLookupError):
-            os.killpg(pid, 0)
-    assert service.port_is_free(int(url.rsplit(":", 1)[1].split("/")[0]))
+    for pid in pids:
+        assert service.gone(pid)
+    port = int(env["PREFECT_API_URL"].rsplit(":", 1)[1].split("/")[0])
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2)
     assert not (state_dir / "prefect.env").exists()
     assert service.stop(state_dir) == []
+    assert snapshot(project) == workspace_before

@@ -1,28 +1,29 @@
-"""Flow logic that needs no Prefect server and no DVC run: overrides, stage order, errors,
-retry decisions, the sweep plan and its report (tasks called through ``task.fn()``)."""
+"""Flow logic that needs no Prefect server and no DVC run: overrides and the params file
+they become, stage order, errors, retry decisions, the server's credentials, the sweep plan
+and its report."""
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 from PIL import Image
 from prefect.states import Failed
+from ruamel.yaml import YAML
 
-from flows import report, sweep, workspace
-from flows.pipeline import _parse_set, check_overrides, retry_only_transient
+from flows import checkout, report, service, sweep
+from flows.checkout import DvcCommandError
+from flows.pipeline import _parse_set, retry_only_transient
 from flows.serve import parse_schedule
 from flows.sweep import DEFAULT_GRID, plan_runs, validate_runs
-from flows.workspace import DvcCommandError
-from ganpipe.params import ParamsError
+from ganpipe.params import ParamsError, read_yaml
 from tests.conftest import REPO
+from tests.integration.test_flow_tasks import EXACT_VALUES
 
 LOCK_OUTPUT = (
     "ERROR: Unable to acquire lock. Most likely another DVC process is running or was "
@@ -34,13 +35,18 @@ STAGE_OUTPUT = """Running stage 'prepare':
 error: data.path='nope' does not exist; point it at an image folder
 ERROR: failed to reproduce 'prepare': failed to run: python -m stages.prepare, exited with 2
 """
+PARAMS = (REPO / "params.yaml").read_text()
 
 
 @pytest.fixture
 def project(tmp_path) -> Path:
-    """params.yaml and dvc.yaml of this repository, comments included."""
+    """params.yaml and dvc.yaml of this repository, comments included, committed."""
     for name in ("params.yaml", "dvc.yaml"):
         shutil.copy(REPO / name, tmp_path / name)
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t"}
+    env.update(GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "base"]):
+        subprocess.run(["git", *command], cwd=tmp_path, env=env, check=True)
     return tmp_path
 
 
@@ -53,7 +59,7 @@ def write_dvc_yaml(root: Path, stages: dict) -> Path:
 
 
 def test_stage_names_of_this_repository_are_upstream_first():
-    names = workspace.stage_names(REPO / "dvc.yaml")
+    names = checkout.stage_names(REPO / "dvc.yaml")
     assert names[0] == "prepare"
     assert names.index("train") < names.index("generate")
     assert set(names) == set(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"])
@@ -78,7 +84,7 @@ def test_stage_names_follow_dependencies_not_file_order(tmp_path):
             "prepare": {"cmd": "p", "outs": ["data/train"]},
         },
     )
-    assert workspace.stage_names(path) == ["prepare", "train", "evaluate", "generate", "report"]
+    assert checkout.stage_names(path) == ["prepare", "train", "evaluate", "generate", "report"]
 
 
 def test_stage_names_refuse_a_cycle_and_an_empty_file(tmp_path):
@@ -90,14 +96,14 @@ def test_stage_names_refuse_a_cycle_and_an_empty_file(tmp_path):
         },
     )
     with pytest.raises(ValueError, match="depend on each other"):
-        workspace.stage_names(path)
+        checkout.stage_names(path)
     (tmp_path / "dvc.yaml").write_text("stages: {}\n")
     with pytest.raises(ValueError, match="defines no stages"):
-        workspace.stage_names(tmp_path / "dvc.yaml")
+        checkout.stage_names(tmp_path / "dvc.yaml")
 
 
 def test_stage_outputs_list_samples_and_metrics():
-    outputs = workspace.stage_outputs(REPO / "dvc.yaml")
+    outputs = checkout.stage_outputs(REPO / "dvc.yaml")
     assert "samples/grid.png" in outputs
     assert "metrics/train/metrics.json" in outputs
 
@@ -105,19 +111,18 @@ def test_stage_outputs_list_samples_and_metrics():
 # -- overrides -------------------------------------------------------------------------
 
 
-def test_overrides_are_validated_and_normalised(project):
-    valid = check_overrides.fn(
-        str(project), {"train.strategy": "g_first_detach", "train.kimg": 1, "seed": 3}, None
-    )
+def test_overrides_are_validated_and_normalised():
+    overrides = {"train.strategy": "g_first_detach", "train.kimg": 1, "seed": 3}
+    valid = checkout.validate_overrides(PARAMS, overrides)
     assert valid == {"train.strategy": "g_first_detach", "train.kimg": 1.0, "seed": 3}
     assert isinstance(valid["train.kimg"], float)
-    assert check_overrides.fn(str(project), None, None) == {}
+    assert checkout.validate_overrides(PARAMS, None) == {}
 
 
 @pytest.mark.parametrize("name", ["my run", "-x", "a..b", "x.lock", "dot.", "a/b"])
-def test_a_bad_experiment_name_is_refused_before_any_stage(project, name):
+def test_a_bad_experiment_name_is_refused(name):
     with pytest.raises(ValueError, match="is not a valid experiment name"):
-        check_overrides.fn(str(project), {}, name)
+        checkout.check_exp_name(name)
 
 
 def test_command_line_overrides_are_read_as_dvc_reads_them():
@@ -127,89 +132,95 @@ def test_command_line_overrides_are_read_as_dvc_reads_them():
     assert _parse_set("devices.gpus=[0, 1]") == ("devices.gpus", [0, 1])
 
 
-def test_a_quoted_number_in_an_override_is_refused(project):
+def test_a_quoted_number_in_an_override_is_refused():
     with pytest.raises(ParamsError, match=r"train.kimg: .*\(got '0.5'\); write the number"):
-        workspace.validate_overrides(project, {"train.kimg": "0.5"})
+        checkout.validate_overrides(PARAMS, {"train.kimg": "0.5"})
 
 
-def test_a_typo_in_an_override_names_the_key_and_the_fix(project):
+def test_a_typo_in_an_override_names_the_key_and_the_fix():
     with pytest.raises(ParamsError) as info:
-        workspace.validate_overrides(project, {"train.batch_sise": 8, "precision": "fp8"})
+        checkout.validate_overrides(PARAMS, {"train.batch_sise": 8, "precision": "fp8"})
     message = str(info.value)
     assert "train.batch_sise" in message and "Did you mean train.batch_size" in message
     assert "precision" in message and "fp8" in message
 
 
-def test_an_override_of_a_section_or_inside_a_value_is_refused(project):
+def test_an_override_of_a_section_or_inside_a_value_is_refused():
     with pytest.raises(ParamsError, match=r"train: is a section; override single values"):
-        workspace.validate_overrides(project, {"train": {"kimg": 1}})
+        checkout.validate_overrides(PARAMS, {"train": {"kimg": 1}})
     with pytest.raises(ParamsError, match="seed is a value, not a section"):
-        workspace.validate_overrides(project, {"seed.x": 1})
+        checkout.validate_overrides(PARAMS, {"seed.x": 1})
     with pytest.raises(ParamsError, match="dotted params names"):
-        workspace.validate_overrides(project, {"train kimg": 1})
+        checkout.validate_overrides(PARAMS, {"train kimg": 1})
 
 
-def test_cross_section_rules_apply_to_overrides(project):
+def test_cross_section_rules_apply_to_overrides():
     with pytest.raises(ParamsError, match="train.batch_size=63 is not divisible by world size 2"):
-        workspace.validate_overrides(project, {"train.batch_size": 63, "devices.nproc_per_node": 2})
+        checkout.validate_overrides(PARAMS, {"train.batch_size": 63, "devices.nproc_per_node": 2})
 
 
-def test_write_overrides_keeps_comments_and_layout(project):
-    before = (project / "params.yaml").read_text()
+def test_write_params_keeps_comments_and_layout(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(PARAMS)
     overrides = {"train.strategy": "g_first_detach", "train.betas": [0.0, 0.99], "data.path": None}
-    workspace.write_overrides(project, overrides)
-    after = (project / "params.yaml").read_text()
-    assert yaml.safe_load(after) == workspace.apply_overrides(yaml.safe_load(before), overrides)
+    checkout.write_params(path, overrides)
+    after = path.read_text()
+    assert read_yaml(after) == checkout.apply_overrides(read_yaml(PARAMS), overrides)
     assert (
-        "  strategy: g_first_detach   # d_first_retain | d_first_detach | g_first_detach" in after
+        '  strategy: "g_first_detach" # d_first_retain | d_first_detach | g_first_detach' in after
     )
     assert "  betas: [0.0, 0.99]" in after
     assert "  path: null" in after
     changed = [
-        (a, b) for a, b in zip(before.splitlines(), after.splitlines(), strict=True) if a != b
+        (a, b) for a, b in zip(PARAMS.splitlines(), after.splitlines(), strict=True) if a != b
     ]
     assert len(changed) == 2  # strategy and betas; path was null already
 
 
-def test_set_args_are_read_back_by_dvc_grammar():
-    assert workspace.set_args({"train.strategy": "g_first_detach", "train.betas": [0.5, 0.9]}) == [
-        "-S",
-        'train.strategy="g_first_detach"',
-        "-S",
-        "train.betas=[0.5, 0.9]",
-    ]
+@pytest.mark.parametrize("value", EXACT_VALUES)
+def test_any_string_is_written_so_that_every_yaml_reader_gets_it_back(tmp_path, value):
+    path = tmp_path / "params.yaml"
+    path.write_text("# a comment\ndata:\n  path: null\n")
+    checkout.write_params(path, {"data.path": value})
+    text = path.read_text()
+    assert yaml.safe_load(text)["data"]["path"] == value  # PyYAML, YAML 1.1
+    assert read_yaml(text)["data"]["path"] == value  # ruamel, YAML 1.2, as DVC reads it
+    assert YAML().load(io.StringIO(text))["data"]["path"] == value  # DVC's round trip
+    assert "\\u00f1" not in text  # unicode stays readable, not escaped
 
 
 # -- failures and retries --------------------------------------------------------------
 
 
 def test_a_stage_error_leads_the_message_and_is_not_transient():
-    error = DvcCommandError(["python", "-m", "dvc", "repro", "prepare"], 255, STAGE_OUTPUT, False)
+    error = DvcCommandError(["python", "-m", "dvc", "repro", "prepare"], 255, STAGE_OUTPUT)
     lines = str(error).splitlines()
     assert lines[0] == "error: data.path='nope' does not exist; point it at an image folder"
     assert lines[1].startswith("ERROR: failed to reproduce 'prepare'")
-    assert not workspace.is_transient(STAGE_OUTPUT)
+    assert not error.transient
 
 
-def test_a_held_dvc_lock_is_transient():
-    assert workspace.is_transient(LOCK_OUTPUT)
-    # the text DVC prints, from DVC itself
-    from dvc.lock import FAILED_TO_LOCK_MESSAGE
+def test_a_held_dvc_lock_and_a_killed_process_are_transient():
+    from dvc.lock import FAILED_TO_LOCK_MESSAGE  # the text DVC prints, from DVC itself
 
-    assert workspace.is_transient(FAILED_TO_LOCK_MESSAGE)
+    assert DvcCommandError(["dvc"], 255, LOCK_OUTPUT).transient
+    assert DvcCommandError(["dvc"], 255, FAILED_TO_LOCK_MESSAGE).transient
+    killed = DvcCommandError(["dvc", "repro"], -9, "Running stage 'train'")
+    assert killed.transient and "killed by SIGKILL" in str(killed)
 
 
 def test_a_crash_without_error_lines_keeps_the_last_lines():
     tail = "\n".join(f"line {i}" for i in range(30)) + "\nTraceback ...\nKeyError: 'x'"
-    message = workspace.failure_message(["dvc", "repro"], 1, tail)
+    message = checkout.failure_message(["dvc", "repro"], 1, tail)
     assert "KeyError: 'x'" in message and "line 0" not in message
 
 
 @pytest.mark.parametrize(
     ("error", "retry"),
     [
-        (DvcCommandError(["dvc"], 255, LOCK_OUTPUT, True), True),
-        (DvcCommandError(["dvc"], 255, STAGE_OUTPUT, False), False),
+        (DvcCommandError(["dvc"], 255, LOCK_OUTPUT), True),
+        (DvcCommandError(["dvc"], -15, ""), True),
+        (DvcCommandError(["dvc"], 255, STAGE_OUTPUT), False),
         (ValueError("bad"), False),
     ],
 )
@@ -217,29 +228,19 @@ def test_retry_condition_retries_only_transient_errors(error, retry):
     assert retry_only_transient(None, None, Failed(data=error)) is retry
 
 
-def test_workspace_lock_makes_a_second_flow_wait_then_time_out(tmp_path):
-    (tmp_path / ".dvc").mkdir()
-    messages: list[str] = []
-    with workspace.workspace_lock(tmp_path, 1.0):
-        failure: list[BaseException] = []
-
-        def second():
-            try:
-                with workspace.workspace_lock(tmp_path, 0.5, messages.append):
-                    pass
-            except BaseException as exc:
-                failure.append(exc)
-
-        thread = threading.Thread(target=second)
-        thread.start()
-        thread.join()
-    assert isinstance(failure[0], TimeoutError) and "lock_timeout_s" in str(failure[0])
-    assert messages and "workspace busy (pid" in messages[0]
-    with workspace.workspace_lock(tmp_path, 0.5):  # free again
-        pass
+# -- the local server ------------------------------------------------------------------
 
 
-# -- schedules -------------------------------------------------------------------------
+def test_credentials_are_made_once_and_readable_by_the_owner_only(tmp_path):
+    first = service.credentials(tmp_path)
+    user, password = first.split(":")
+    assert user == "ganpipe" and len(password) >= 24
+    assert (tmp_path / "prefect-auth").stat().st_mode & 0o777 == 0o600
+    assert service.credentials(tmp_path) == first
+    env = service.server_env(tmp_path, 4321)
+    assert env["PREFECT_SERVER_API_AUTH_STRING"] == env["PREFECT_API_AUTH_STRING"] == first
+    assert env["PREFECT_SERVER_API_HOST"] == "127.0.0.1"
+    assert env["PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS"] == "http://127.0.0.1:4321"
 
 
 def test_schedules_parse_cron_interval_and_off():
@@ -265,96 +266,20 @@ def test_default_grid_is_strategies_by_precision_by_two_seeds():
         plan_runs({"seed": []}, {}, "sw")
 
 
-def test_a_bad_combination_stops_the_sweep_before_queueing(project):
+def test_a_bad_combination_stops_the_sweep_before_anything_runs(project):
     planned = plan_runs({"train.loss": ["bce", "wgan_gp"]}, {}, "sw")
+    commit = checkout.resolve_commit(project, None)
     with pytest.raises(ValueError) as info:
-        validate_runs.fn(str(project), planned, {"train.kimg": 1})
+        validate_runs.fn(str(project), commit, planned, {"train.kimg": 1})
     assert "sw-wgan_gp" in str(info.value) and "model.norm" in str(info.value)
     assert "sw-bce:" not in str(info.value)
 
 
-# `dvc queue status` of DVC 3.67 after a worker lost r2-a and it was queued again
-QUEUE_STATUS = """Task     Name    Created    Status
-21fe2a0  r2-a    06:02 PM   Queued
-367498f  r2-a    06:00 PM   Failed
-c014440  r2-b    06:00 PM   Success
-9a0b1c2  r3-x    Nov 21     Running
-07079ea  r0-a    05:58 PM   Failed
-
-Worker status: 0 active, 0 idle
-"""
-
-
-def test_queue_status_is_read_per_name_and_a_requeued_name_is_pending():
-    assert workspace.queue_states(QUEUE_STATUS) == {
-        "r2-a": "queued",
-        "r2-b": "success",
-        "r3-x": "running",
-        "r0-a": "failed",
-    }
-
-
-def test_exp_show_keeps_the_later_run_of_a_requeued_name():
-    def rev(name, error=None):
-        return {"name": name, "rev": name, "data": {}, "error": error}
-
-    lost = {"revs": [rev("r2-a", {"msg": "lost"})], "executor": {"state": "failed"}}
-    again = {"revs": [rev("r2-a")], "executor": None}
-    for order in ([again, lost], [lost, again]):
-        found = workspace.experiments([{"experiments": order}])
-        assert found["r2-a"]["state"] == "success", order
-
-
-def test_queue_workers_are_counted_from_their_pid_files(tmp_path):
-    celery = tmp_path / ".dvc" / "tmp" / "exps" / "celery"
-    celery.mkdir(parents=True)
-    worker = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)", "exp", "queue-worker", "w1"]
-    )
-    try:
-        (celery / "dvc-exp-worker-1.pid").write_text(str(worker.pid))
-        (celery / "dvc-exp-worker-2.pid").write_text(str(os.getpid()))  # not a worker
-        (celery / "dvc-exp-worker-3.pid").write_text("999999999")  # gone
-        assert workspace.queue_workers_alive(tmp_path) == 1
-    finally:
-        worker.kill()
-        worker.wait()
-    assert workspace.queue_workers_alive(tmp_path) == 0
-    assert workspace.queue_workers_alive(tmp_path / "no-project") == 0
-
-
-def test_a_dvc_command_that_never_answers_is_killed_with_what_it_started(tmp_path, monkeypatch):
-    """A hung `dvc exp show` must not hang the sweep: it is killed, children included."""
-    fake = tmp_path / "python"
-    fake.write_text(f"#!/bin/sh\nsleep 60 &\necho $! > {tmp_path}/child\nsleep 60\n")
-    fake.chmod(0o755)
-    monkeypatch.setattr(workspace.sys, "executable", str(fake))
-    started = time.monotonic()
-    with pytest.raises(DvcCommandError) as info:
-        workspace.dvc_output(["exp", "show", "--json"], tmp_path, timeout_s=1)
-    assert time.monotonic() - started < 10
-    assert info.value.transient and info.value.returncode is None
-    assert "no answer after 1 s" in str(info.value)
-    child = int((tmp_path / "child").read_text())
-    deadline = time.monotonic() + 5
-    while (
-        Path(f"/proc/{child}").exists() and b"sleep" in Path(f"/proc/{child}/cmdline").read_bytes()
-    ):
-        assert time.monotonic() < deadline, "the command's own child still runs"
-        time.sleep(0.05)
-
-
-def test_experiments_lost_again_and_again_stop_the_sweep(tmp_path, monkeypatch):
-    """No worker ever runs r-a: it is queued again MAX_REQUEUES times, then the sweep fails."""
-    calls = []
-    monkeypatch.setattr(sweep, "NO_WORKER_GRACE_S", 0.0)
-    monkeypatch.setattr(workspace, "dvc_output", lambda *a, **k: "abc1234  r-a  06:00 PM  Running")
-    monkeypatch.setattr(workspace, "queue_workers_alive", lambda root: 0)
-    monkeypatch.setattr(sweep, "requeue", lambda root, lost, timeout: calls.append(sorted(lost)))
-    monkeypatch.setattr(sweep.start_workers, "fn", lambda project, jobs: calls.append(jobs))
-    with pytest.raises(RuntimeError, match="lost r-a again after 2 new start"):
-        sweep.wait_for.fn(str(tmp_path), {"r-a": {"seed": 1}}, 3, 0.0, 60.0, 1.0)
-    assert calls == [["r-a"], 3, ["r-a"], 3]
+@pytest.mark.parametrize("path", ["/etc/passwd", "../outside.md", "reports/../../x.md"])
+def test_a_report_path_outside_the_project_is_refused(tmp_path, path):
+    with pytest.raises(ValueError, match="must be a path inside the project"):
+        sweep.report_file(tmp_path, path)
+    assert sweep.report_file(tmp_path, "reports/s.md") == (tmp_path / "reports/s.md").resolve()
 
 
 def exp(metrics: dict, state: str = "success") -> dict:
