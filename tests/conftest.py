@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,11 +18,30 @@ os.environ.setdefault("PREFECT_HOME", str(REPO / ".state" / "prefect"))
 Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-xdist has tagged the groups
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs CUDA (marked gpu)")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+    check_xdist_groups(config, items)
+
+
+def check_xdist_groups(config, items) -> None:
+    """Under ``--dist loadgroup`` every ``xdist_group`` test must carry its group in its node
+    id (how pytest-xdist routes a group to one worker). When it does not, xdist hands the
+    tests of a shared server to both workers and they break each other, so stop at once.
+    pytest 9.2 with pytest-xdist 3.8 loses the groups silently (pytest-xdist#1386)."""
+    if not getattr(config.option, "loadgroup", False):  # set in xdist's workers only
+        return
+    lost = [i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if lost:
+        message = (
+            f"pytest-xdist ignored the xdist_group of {len(lost)} tests (e.g. {lost[0]}): this "
+            "pytest/pytest-xdist pair breaks --dist loadgroup; use the versions in constraints.txt"
+        )
+        print(f"error: {message}", file=sys.__stderr__, flush=True)  # a worker's only way out
+        pytest.exit(message, returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 def solid_image(path: Path, color, size=(12, 10), mode="RGB", fmt=None) -> Path:
