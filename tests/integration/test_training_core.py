@@ -192,6 +192,7 @@ def memory_growths() -> dict[str, tuple[int, float]]:
     return json.loads(out.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow  # 300 steps per strategy in forks, ~40 s: not for the inner loop
 @pytest.mark.xdist_group("memory")  # one worker measures every case once (module fixture)
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_training_and_ema_keep_memory_flat_over_300_steps(memory_growths, strategy):
@@ -200,6 +201,7 @@ def test_training_and_ema_keep_memory_flat_over_300_steps(memory_growths, strate
     assert rss < 20, f"RSS grew by {rss:.1f} MB"
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("memory")
 def test_the_memory_check_catches_a_leak(memory_growths):
     tensors, rss = memory_growths["leak"]
