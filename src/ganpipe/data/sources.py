@@ -102,7 +102,10 @@ def _image_files(folder: Path, visited: dict[tuple[int, int], Path]) -> list[Pat
                 continue
             path = Path(entry.path)
             if entry.is_dir():
-                key = _folder_key(entry)
+                try:
+                    key = _folder_key(entry)
+                except OSError as exc:
+                    _unreadable(exc)
                 if key in visited:
                     log.warning(
                         "skipping %s: it is %s again (a link?); each folder is read once",
@@ -219,7 +222,7 @@ def _read_cifar_batch(path: Path) -> dict:
     try:
         with open(path, "rb") as handle:
             batch = _ArraysOnlyUnpickler(handle, encoding="latin1").load()
-    except (pickle.UnpicklingError, EOFError, OSError, ValueError) as exc:
+    except Exception as exc:  # an untrusted pickle fails in many ways (TypeError, IndexError...)
         raise SourceError(f"data.source=cifar10: {path} is not a CIFAR-10 batch: {exc}") from exc
     if not isinstance(batch, dict):
         raise SourceError(f"data.source=cifar10: {path} is not a CIFAR-10 batch (not a dict)")
@@ -267,6 +270,8 @@ def _cifar_arrays(path: Path, batch: dict, num_classes: int) -> tuple[np.ndarray
         )
         raise refuse(f"'data' must be a uint8 array of shape (N, 3072), found {found}")
     values = np.asarray(labels) if isinstance(labels, list | tuple | np.ndarray) else None
+    if values is not None and values.size == 0:
+        values = values.astype(np.int64)  # [] reads as float64
     if values is None or values.ndim != 1 or values.dtype.kind not in "iu":
         raise refuse(f"'labels' must be a list of integers, found {type(labels).__name__}")
     if len(values) != len(data):
