@@ -137,11 +137,13 @@ def locked_dir(folder: Path, stage: str) -> Iterator[None]:
         yield
         return
     fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    owner = os.getpid()
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            pids = [p for p in lock_holders(folder) if p != os.getpid()] or lock_holders(folder)
+            holders = lock_holders(folder)
+            pids = [pid for pid in holders if pid != owner] or holders
             holder = f"process {pids[0]}" if pids else "another process"
             raise OutputsBusyError(
                 f"{folder}/ is being written by {holder} (another `{stage}` run?); wait for it "
@@ -159,8 +161,9 @@ def locked_dir(folder: Path, stage: str) -> Iterator[None]:
         _HELD_LOCKS.add(fd)
         yield
     finally:
-        _HELD_LOCKS.discard(fd)
-        os.close(fd)
+        if os.getpid() == owner:  # a forked child closed its copy already (and may reuse fd)
+            _HELD_LOCKS.discard(fd)
+            os.close(fd)
 
 
 def clear_leftovers(folder: Path, names: Iterable[str]) -> list[Path]:
