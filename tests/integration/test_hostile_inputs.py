@@ -35,7 +35,16 @@ from ganpipe.data.convert import BadImageError
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.prepare import prepare_dataset
 from ganpipe.data.sources import SourceError, read_idx
-from ganpipe.data.store import FORMAT, FORMAT_VERSION, META_KEY, DatasetError, read_meta
+from ganpipe.data.store import (
+    FORMAT,
+    FORMAT_VERSION,
+    LABEL,
+    META_KEY,
+    DatasetError,
+    LmdbWriter,
+    estimate_bytes,
+    read_meta,
+)
 from ganpipe.files import OutputsBusyError, locked_dir
 from ganpipe.nets import DcganGenerator
 from ganpipe.params import DataParams, Params
@@ -351,6 +360,17 @@ def test_disk_full_says_how_much_space_and_keeps_previous_outputs(tmp_path):
     assert dir_digest(project / "data") == before
 
 
+@pytest.mark.parametrize("pixels", [8 * 8, 32 * 32 * 3])  # inline records; overflow pages
+def test_the_space_estimate_is_near_what_lmdb_writes(tmp_path, pixels):
+    writer = LmdbWriter(tmp_path / "db", map_size=1 << 26)
+    for i in range(3000):
+        writer.add(i % 10, bytes(pixels))
+    writer.finish({"format": FORMAT, "version": FORMAT_VERSION, "shape": [1, 1, 1]})
+    written = (tmp_path / "db" / "data.mdb").stat().st_size
+    estimate = estimate_bytes(3000, LABEL.size + pixels)
+    assert 0.8 < estimate / written < 1.25, (estimate, written)
+
+
 # --- leftovers and concurrency -----------------------------------------------------------
 
 
@@ -388,9 +408,8 @@ def test_the_lock_goes_with_a_killed_holder_and_is_not_kept_by_forked_children(t
     holder = context.Process(target=_hold_lock, args=(str(tmp_path), ready))
     holder.start()
     assert ready.wait(30)
-    with pytest.raises(OutputsBusyError, match=f"process {holder.pid}"):
-        with locked_dir(tmp_path, "test"):
-            pass
+    with pytest.raises(OutputsBusyError, match=f"process {holder.pid}"), locked_dir(tmp_path, "x"):
+        pass
     os.kill(holder.pid, signal.SIGKILL)
     holder.join()
     with locked_dir(tmp_path, "test"):  # the kernel dropped the killed holder's lock
@@ -405,8 +424,12 @@ def test_the_lock_goes_with_a_killed_holder_and_is_not_kept_by_forked_children(t
 
 
 def tiny_generator_project(root: Path) -> Params:
+    """``root/models/g_ema.pt`` of an untrained tiny generator, written as train writes it."""
+    from stages.train import model_record
+
     params = Params.model_validate(
         {
+            "data": {"image_size": 16, "channels": 1},
             "model": {"z_dim": 4, "g_width": 4},
             "devices": {"accelerator": "cpu", "cpu_threads": 1},
             "generate": {
@@ -419,14 +442,7 @@ def tiny_generator_project(root: Path) -> Params:
     )
     torch.manual_seed(0)
     g = DcganGenerator(4, 4, 1, 16, params.model.norm)
-    record = {
-        "net": "generator",
-        "model": params.model.model_dump(mode="json"),
-        "image_size": 16,
-        "channels": 1,
-        "state_dict": g.state_dict(),
-    }
-    save_atomic(record, root / "models" / "g_ema.pt")
+    save_atomic(model_record(params, "generator", g.state_dict()), root / "models" / "g_ema.pt")
     return params
 
 
@@ -468,7 +484,7 @@ def test_a_second_generate_fails_at_once_leaving_the_first_ones_files(tmp_path, 
     running.mkdir(parents=True)
     (running / "000000.png").write_bytes(b"being written")
     monkeypatch.chdir(tmp_path)
-    with locked_dir(Path("samples"), "generate"):
-        with pytest.raises(OutputsBusyError, match="samples/ is being written by process"):
-            generate_stage.main(params)
+    busy = pytest.raises(OutputsBusyError, match="samples/ is being written by process")
+    with locked_dir(Path("samples"), "generate"), busy:
+        generate_stage.main(params)
     assert (running / "000000.png").read_bytes() == b"being written"
