@@ -273,7 +273,10 @@ def _cifar_arrays(path: Path, batch: dict, num_classes: int) -> tuple[np.ndarray
     if values is not None and values.size == 0:
         values = values.astype(np.int64)  # [] reads as float64
     if values is None or values.ndim != 1 or values.dtype.kind not in "iu":
-        raise refuse(f"'labels' must be a list of integers, found {type(labels).__name__}")
+        found = type(labels).__name__
+        if values is not None:
+            found += f" of {values.dtype} values, shape {values.shape}"
+        raise refuse(f"'labels' must be a list of integers, found {found}")
     if len(values) != len(data):
         raise refuse(f"{len(data)} images but {len(values)} labels")
     outside = np.flatnonzero((values < 0) | (values >= num_classes))
