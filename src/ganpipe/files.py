@@ -12,7 +12,7 @@ import shutil
 import stat
 import sys
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 try:
@@ -75,10 +75,8 @@ def _drop_locks_in_child() -> None:
     # it would hold the lock as long as it lives: an orphaned worker of a killed prepare would
     # keep every later run out. Closing the child's copy leaves the parent's lock alone.
     for fd in _HELD_LOCKS:
-        try:
+        with suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
     _HELD_LOCKS.clear()
 
 

@@ -218,7 +218,7 @@ def test_link_loops_read_each_folder_once(tmp_path, class_folder, caplog):
 def test_fifos_and_devices_named_like_images_are_skipped(tmp_path, class_folder, caplog):
     os.mkfifo(class_folder / "cats" / "x.png")
     (class_folder / "dogs" / "zero.png").symlink_to("/dev/zero")
-    out, report = prep(tmp_path, source="folder", path="images", image_size=8, val_fraction=0)
+    _, report = prep(tmp_path, source="folder", path="images", image_size=8, val_fraction=0)
     assert report.counts["train"] == 6 and report.skipped == []
     assert "cats/x.png: a FIFO, not an image file" in caplog.text
     assert "dogs/zero.png: a character device, not an image file" in caplog.text

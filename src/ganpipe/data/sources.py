@@ -339,8 +339,10 @@ def read_idx(path: Path, max_bytes: int = MAX_IDX_BYTES) -> np.ndarray:
     except (OSError, EOFError, struct.error, zlib.error) as exc:
         raise refuse(f"cannot be read as an IDX file ({exc})") from exc
     if len(payload) < size:
-        raise refuse(f"is truncated: its header announces shape {shape} but it holds "
-                     f"{len(payload):,} of {size:,} bytes")
+        raise refuse(
+            f"is truncated: its header announces shape {shape} but it holds "
+            f"{len(payload):,} of {size:,} bytes"
+        )
     if longer:
         raise refuse(f"holds more data than its header announces (shape {shape})")
     return np.frombuffer(payload, dtype=np.uint8).reshape(shape)

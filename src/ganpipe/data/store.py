@@ -16,7 +16,7 @@ import math
 import shutil
 import struct
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -156,10 +156,8 @@ class LmdbWriter:
     def abort(self) -> None:
         """Close and delete the unfinished database."""
         if self._env is not None:
-            try:
+            with suppress(lmdb.Error):  # closing after a failed write: the folder goes anyway
                 self._env.close()
-            except lmdb.Error:
-                pass  # closing after a failed write: the folder goes anyway
         shutil.rmtree(self.path, ignore_errors=True)
 
 
@@ -238,10 +236,12 @@ def _is_count(value: Any) -> bool:
 _META_FIELDS: dict[str, tuple[Any, str]] = {
     "count": (_is_count, "an integer >= 0"),
     "shape": (
-        lambda v: isinstance(v, list)
-        and len(v) == 3
-        and all(_is_count(n) and n > 0 for n in v)
-        and v[2] in (1, 3),
+        lambda v: (
+            isinstance(v, list)
+            and len(v) == 3
+            and all(_is_count(n) and n > 0 for n in v)
+            and v[2] in (1, 3)
+        ),
         "[height, width, channels] with positive sizes and 1 or 3 channels",
     ),
     "content_sha256": (lambda v: isinstance(v, str), "a string"),
@@ -265,6 +265,7 @@ _OPTIONAL_META_FIELDS: dict[str, tuple[Any, str]] = {
 
 def _check_meta_fields(path: Path, meta: dict[str, Any]) -> None:
     """Refuse a meta record whose fields readers would trip over (a hand-edited record)."""
+
     def show(value: Any) -> str:
         text = json.dumps(value)
         return text if len(text) <= 60 else text[:57] + "..."
