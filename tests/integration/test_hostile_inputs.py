@@ -189,7 +189,7 @@ def test_prepare_refuses_hostile_source_keeping_previous_outputs(tmp_path, case)
     make, data, words = CASES[case]
     project = project_with_previous_outputs(tmp_path)
     make(project)
-    write_params(project, {"image_size": 8, **data})
+    write_params(project, {"image_size": 16, **data})
     before = dir_digest(project / "data")
     message = stage_error(run_stage(project, "prepare", timeout=120))
     for word in words:
@@ -280,6 +280,7 @@ def test_truncated_idx_names_what_is_missing(tmp_path):
 
 
 def write_db_with_meta(path: Path, meta_bytes: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     env = lmdb.open(str(path), map_size=1 << 20, lock=False, subdir=True)
     with env.begin(write=True) as txn:
         txn.put(b"00000000", b"\0" * (4 + 8 * 8))
@@ -376,7 +377,7 @@ def test_the_space_estimate_is_near_what_lmdb_writes(tmp_path, pixels):
 
 def test_a_second_prepare_fails_at_once_naming_the_first(tmp_path):
     project = project_with_previous_outputs(tmp_path)
-    write_params(project, {"source": "folder", "path": "previous", "image_size": 8})
+    write_params(project, {"source": "folder", "path": "previous", "image_size": 16})
     others = project / "data" / ".train.lmdb.tmp-999999"  # the running one's work
     others.mkdir()
     (others / "data.mdb").write_bytes(b"half written")
