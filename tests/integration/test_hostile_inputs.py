@@ -317,13 +317,24 @@ def test_meta_record_of_the_wrong_type_is_a_dataset_error(tmp_path, meta, words)
     assert words in str(info.value) and "dvc repro prepare" in str(info.value)
 
 
-def test_a_stage_reading_a_bad_meta_record_exits_cleanly(tmp_path):
+def test_a_stage_reading_a_bad_meta_record_exits_cleanly(tmp_path, monkeypatch, capsys):
+    # In-process through the stages' own error handling (stages/_cli.py): a featurenet
+    # subprocess would spend ~10 s importing torch to show the same thing.
+    from stages import _cli
+    from stages import featurenet as featurenet_stage
+
     for split in ("train", "val"):
         write_db_with_meta(tmp_path / "data" / f"{split}.lmdb", b"[1, 2]")
     write_params(tmp_path, {})
     before = dir_digest(tmp_path)
-    message = stage_error(run_stage(tmp_path, "featurenet", timeout=120))
-    assert "data/train.lmdb: the meta record is a JSON list" in message
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["featurenet"])
+    with pytest.raises(SystemExit) as exited:
+        _cli.run(featurenet_stage.main, "featurenet")
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: data/train.lmdb: the meta record is a JSON list"), err
+    assert "Traceback" not in err
     assert dir_digest(tmp_path) == before
 
 
