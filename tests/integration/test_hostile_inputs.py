@@ -414,6 +414,11 @@ def _hold_lock(folder: str, ready) -> None:
         time.sleep(60)
 
 
+def _sleep(started) -> None:
+    started.set()
+    time.sleep(30)
+
+
 def test_the_lock_goes_with_a_killed_holder_and_is_not_kept_by_forked_children(tmp_path):
     context = multiprocessing.get_context("fork")
     ready = context.Event()
@@ -425,8 +430,12 @@ def test_the_lock_goes_with_a_killed_holder_and_is_not_kept_by_forked_children(t
     os.kill(holder.pid, signal.SIGKILL)
     holder.join()
     with locked_dir(tmp_path, "test"):  # the kernel dropped the killed holder's lock
-        child = context.Process(target=time.sleep, args=(30,))
+        started = context.Event()
+        child = context.Process(target=_sleep, args=(started,))
         child.start()  # a forked child (like prepare's decoding pool) ...
+        # Until the child runs, it shares the lock (fork copies the descriptor); the at-fork
+        # hook closes its copy before any of its own code runs.
+        assert started.wait(30)
     try:
         with locked_dir(tmp_path, "test"):  # ... does not keep it after the parent lets go
             pass
