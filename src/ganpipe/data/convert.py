@@ -20,7 +20,7 @@ import stat
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 RESAMPLE = Image.Resampling.BICUBIC
 IMAGE_EXTENSIONS = frozenset(
@@ -116,7 +116,12 @@ def open_image(path: Path) -> Image.Image:
         mode = os.fstat(file.fileno()).st_mode
         if not stat.S_ISREG(mode):
             raise OSError(f"not a regular file ({file_kind(mode)})")
-        with Image.open(file) as handle:
+        try:
+            handle = Image.open(file)
+        except UnidentifiedImageError:
+            # Pillow names a file object by its repr; say the path, as for Image.open(path).
+            raise UnidentifiedImageError(f"cannot identify image file {str(path)!r}") from None
+        with handle:
             handle.seek(0)
             image = ImageOps.exif_transpose(handle)
             image.load()

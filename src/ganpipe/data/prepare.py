@@ -101,7 +101,9 @@ def usable_cpus() -> int:
     return os.cpu_count() or 1
 
 
-def _mib(num_bytes: float) -> str:
+def _size(num_bytes: float) -> str:
+    if num_bytes >= 2**30:
+        return f"{num_bytes / 2**30:,.1f} GiB"
     return f"{num_bytes / 2**20:,.1f} MiB"
 
 
@@ -111,13 +113,13 @@ def _write_failed(
     """The error for a failed write (disk full...), said in space: needed, written, free."""
     needed = estimate_bytes(len(listing), value_bytes)
     try:
-        free = f"{_mib(shutil.disk_usage(out_dir).free)} free there now"
+        free = f"{_size(shutil.disk_usage(out_dir).free)} free there now"
     except OSError:
         free = "free space unknown"
     return DatasetError(
         f"writing {exc.path} failed ({exc.cause}); is the disk full? The new train and val "
-        f"databases need about {_mib(needed)} in {out_dir}/ beside the previous ones "
-        f"({_mib(written)} were written before the failure; {free}). Free some space or "
+        f"databases need about {_size(needed)} in {out_dir}/ beside the previous ones "
+        f"({_size(written)} were written before the failure; {free}). Free some space or "
         f"raise the quota, then rerun prepare; the previous {out_dir}/train.lmdb and "
         f"{out_dir}/val.lmdb were not touched"
     )
