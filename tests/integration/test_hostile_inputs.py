@@ -372,7 +372,7 @@ def test_disk_full_says_how_much_space_and_keeps_previous_outputs(tmp_path):
     assert dir_digest(project / "data") == before
 
 
-@pytest.mark.parametrize("pixels", [8 * 8, 32 * 32 * 3])  # inline records; overflow pages
+@pytest.mark.parametrize("pixels", [8 * 8, 32 * 32, 32 * 32 * 3])  # inline; inline; overflow
 def test_the_space_estimate_is_near_what_lmdb_writes(tmp_path, pixels):
     writer = LmdbWriter(tmp_path / "db", map_size=1 << 26)
     for i in range(3000):

@@ -65,7 +65,8 @@ def estimate_bytes(num_records: int, value_bytes: int) -> int:
         pages = num_records * math.ceil((value_bytes + 16) / PAGE_BYTES)  # overflow pages
         pages += math.ceil(num_records * (node_bytes + 8) / (PAGE_BYTES - 16))  # leaf pages
     else:
-        pages = math.ceil(num_records * (node_bytes + value_bytes) / (PAGE_BYTES - 16))
+        per_page = (PAGE_BYTES - 16) // (node_bytes + value_bytes)  # nodes are never split
+        pages = math.ceil(num_records / per_page)
     return (pages + pages // 100 + 4) * PAGE_BYTES  # + branch pages, meta pages
 
 
