@@ -4,6 +4,9 @@ Inputs: params ``generate``, ``devices``, ``determinism``; ``models/g_ema.pt``.
 Outputs: ``samples/grid.png`` (fixed-seed grid), ``samples/interpolation.png`` (latent
 interpolation strips), ``samples/images/NNNNNN.png`` (``generate.num_images`` samples for
 external tools). Files are written atomically, the folder is swapped in when complete.
+While it writes, the stage holds a lock on ``samples/`` (a second generate fails at once,
+naming the pid of the first) and first deletes what a killed run left there
+(``samples/.images.tmp-*``, ``.grid.png.tmp-*``...).
 Command: ``python -m stages.generate``
 """
 
@@ -14,6 +17,7 @@ from pathlib import Path
 
 from ganpipe import runtime
 from ganpipe.checkpoint import load
+from ganpipe.files import clear_leftovers, locked_dir
 from ganpipe.nets import DcganGenerator
 from ganpipe.params import ModelParams, Params
 from ganpipe.sampling import export_pngs, interpolation_strips, sample_grid, save_png
@@ -37,9 +41,16 @@ def load_generator(path: Path) -> tuple[DcganGenerator, ModelParams]:
 
 def main(params: Params) -> None:
     runtime.configure_runtime(params.seed, params.devices, params.determinism)
-    cfg = params.generate
     g, model = load_generator(Path("models/g_ema.pt"))
     g.to(runtime.resolve_device(params.devices))
+    with locked_dir(SAMPLES, "generate"):
+        clear_leftovers(SAMPLES, ["grid.png", "interpolation.png", "images"])
+        write_samples(g, model, params)
+
+
+def write_samples(g: DcganGenerator, model: ModelParams, params: Params) -> None:
+    """The grid, the interpolation strips and the exported images, each written atomically."""
+    cfg = params.generate
     grid = sample_grid(g, model.z_dim, cfg.grid_rows, cfg.seed, cfg.truncation)
     save_png(grid, SAMPLES / "grid.png")
     strips = interpolation_strips(

@@ -2,7 +2,8 @@
 
 Inputs: params ``seed`` and ``data``; the files under ``data.path`` (if any).
 Outputs: ``data/train.lmdb``, ``data/val.lmdb`` (built in temporary folders, renamed when
-complete).
+complete). The stage holds a lock on ``data/`` while it runs: a second prepare fails at once,
+naming the pid of the first. Leftovers of a killed run are deleted first.
 Command: ``python -m stages.prepare``
 """
 

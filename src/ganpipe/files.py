@@ -1,14 +1,30 @@
-"""Replacing a whole output folder atomically: build beside it, then swap it in."""
+"""Writing outputs safely: swap a whole folder in atomically, clear what an interrupted run
+left behind, and keep two runs from writing the same outputs at once."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import glob
+import logging
 import os
 import shutil
+import stat
 import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no locking (see locked_dir)
+    fcntl = None
+
+log = logging.getLogger(__name__)
+
+#: ``.NAME.tmp-*``: a file or folder being built beside ``NAME`` (write_bytes_atomic,
+#: export_pngs, prepare). ``.NAME.old-*``: a previous ``NAME`` renamed aside (replace_dir).
+TMP_MARK = ".tmp-"
 OLD_MARK = ".old-"
 
 
@@ -41,3 +57,138 @@ def replace_dir(built: Path, final: Path) -> None:
         final.rename(aside)
         built.rename(final)
         shutil.rmtree(aside)
+
+
+class OutputsBusyError(ValueError):
+    """Another process is writing the same outputs; the message names the folder and the pid.
+
+    A ``ValueError`` so that the stages report it as a user error (one line, exit status 2).
+    """
+
+
+#: Lock descriptors this process holds (see :func:`locked_dir`).
+_HELD_LOCKS: set[int] = set()
+
+
+def _drop_locks_in_child() -> None:
+    # A forked child (prepare's decoding pool) shares the parent's open file description, so
+    # it would hold the lock as long as it lives: an orphaned worker of a killed prepare would
+    # keep every later run out. Closing the child's copy leaves the parent's lock alone.
+    for fd in _HELD_LOCKS:
+        with suppress(OSError):
+            os.close(fd)
+    _HELD_LOCKS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_locks_in_child)
+
+
+def lock_holders(folder: Path) -> list[int]:
+    """Process ids holding a ``flock`` on ``folder``, read from Linux's ``/proc/locks``.
+
+    Empty where that cannot be known (another OS, no ``/proc``, another mount namespace).
+    """
+    try:
+        info = os.stat(folder)
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return []
+    exact, same_inode = [], []
+    for line in table.splitlines():
+        # "1: FLOCK  ADVISORY  WRITE 4242 00:2a:1234 0 EOF"; waiters have "->" before FLOCK.
+        fields = line.split()
+        if "FLOCK" not in fields or "->" in fields:
+            continue
+        at = fields.index("FLOCK")
+        try:
+            pid = int(fields[at + 3])
+            major, minor, inode = fields[at + 4].split(":")
+            if int(inode) != info.st_ino:
+                continue
+        except (IndexError, ValueError):
+            continue
+        same_inode.append(pid)
+        if (int(major, 16), int(minor, 16)) == (os.major(info.st_dev), os.minor(info.st_dev)):
+            exact.append(pid)
+    # Overlay and FUSE filesystems may show another device number than stat: fall back to
+    # the inode alone.
+    return exact or same_inode
+
+
+@contextmanager
+def locked_dir(folder: Path, stage: str) -> Iterator[None]:
+    """Hold an exclusive lock on the output ``folder`` while ``stage`` writes there.
+
+    The lock is a ``flock`` on the folder itself: no lock file is created, so nothing is left
+    behind, and the kernel drops the lock when the holder exits, even by SIGKILL. A second
+    run does not wait: it fails at once, naming the folder and the pid holding it, before it
+    touches anything (its leftover cleaning would otherwise delete the first run's
+    temporaries). Where the filesystem cannot lock (some network filesystems), a warning is
+    logged and the run goes on unlocked.
+
+    Raises:
+        OutputsBusyError: another process holds the lock.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    owner = os.getpid()
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holders = lock_holders(folder)
+            pids = [pid for pid in holders if pid != owner] or holders
+            holder = f"process {pids[0]}" if pids else "another process"
+            raise OutputsBusyError(
+                f"{folder}/ is being written by {holder} (another `{stage}` run?); wait for it "
+                f"to finish, or stop it, then rerun `{stage}`"
+            ) from None
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF):
+                raise
+            log.warning(
+                "cannot lock %s (%s): make sure no other %s runs at the same time",
+                folder,
+                exc.strerror,
+                stage,
+            )
+        _HELD_LOCKS.add(fd)
+        yield
+    finally:
+        if os.getpid() == owner:  # a forked child closed its copy already (and may reuse fd)
+            _HELD_LOCKS.discard(fd)
+            os.close(fd)
+
+
+def clear_leftovers(folder: Path, names: Iterable[str]) -> list[Path]:
+    """Delete what interrupted writes of ``names`` left in ``folder``.
+
+    Those are the hidden ``.NAME.tmp-*`` and ``.NAME.old-*`` entries (files or folders) that
+    an atomic write or :func:`replace_dir` removes when it completes, so one that remains
+    belongs to a run that was killed. Call this only while holding :func:`locked_dir` on
+    ``folder``: a running writer's temporaries look exactly the same.
+
+    Returns:
+        The paths deleted.
+    """
+    removed = []
+    for name in names:
+        for mark in (TMP_MARK, OLD_MARK):
+            for stale in sorted(folder.glob(f".{glob.escape(name)}{mark}*")):
+                if stat.S_ISDIR(stale.lstat().st_mode):
+                    shutil.rmtree(stale, ignore_errors=True)
+                else:
+                    stale.unlink(missing_ok=True)
+                removed.append(stale)
+    if removed:
+        log.info(
+            "removed %d leftover(s) of an interrupted run in %s: %s",
+            len(removed),
+            folder,
+            ", ".join(p.name for p in removed),
+        )
+    return removed

@@ -16,10 +16,11 @@ Rules, applied in this order (README "Bad input" documents them for users):
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 RESAMPLE = Image.Resampling.BICUBIC
 IMAGE_EXTENSIONS = frozenset(
@@ -27,13 +28,37 @@ IMAGE_EXTENSIONS = frozenset(
 )
 
 
-class BadImageError(Exception):
-    """An image that cannot be read or converted; ``reason`` says why."""
+#: How many unreadable files one error lists by name (the rest are counted).
+MAX_LISTED_BAD = 20
 
-    def __init__(self, name: str, reason: str):
-        super().__init__(f"{name}: {reason}")
+
+class BadImageError(Exception):
+    """Images that cannot be read or converted.
+
+    ``name`` and ``reason`` are the first bad image's; ``bad`` lists every ``(name, reason)``.
+    """
+
+    def __init__(self, name: str, reason: str, message: str | None = None):
+        super().__init__(message or f"{name}: {reason}")
         self.name = name
         self.reason = reason
+        self.bad = [(name, reason)]
+
+    @classmethod
+    def listing(cls, bad: list[tuple[str, str]], where: str, fix: str) -> BadImageError:
+        """One error for every unreadable image of a scan, listed up to
+        :data:`MAX_LISTED_BAD` (then counted), so they can all be fixed before one rerun."""
+        if len(bad) == 1:
+            name, reason = bad[0]
+            error = cls(name, reason, f"{name} (in {where}): {reason}. {fix}")
+        else:
+            lines = [f"  - {name}: {reason}" for name, reason in bad[:MAX_LISTED_BAD]]
+            if len(bad) > MAX_LISTED_BAD:
+                lines.append(f"  ... and {len(bad) - MAX_LISTED_BAD} more")
+            message = f"{len(bad)} unreadable images in {where}. {fix}:\n" + "\n".join(lines)
+            error = cls(*bad[0], message)
+        error.bad = list(bad)
+        return error
 
 
 def is_image_name(name: str) -> bool:
@@ -75,13 +100,44 @@ def convert_image(image: Image.Image, image_size: int, channels: int) -> np.ndar
     return pixels.reshape(image_size, image_size, channels)
 
 
+def _open_nonblocking(path: str, flags: int) -> int:
+    return os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
+
+
 def open_image(path: Path) -> Image.Image:
-    """Decode an image file fully (so truncation is detected here, not later)."""
-    with Image.open(path) as handle:
-        handle.seek(0)
-        image = ImageOps.exif_transpose(handle)
-        image.load()
-        return image
+    """Decode an image file fully (so truncation is detected here, not later).
+
+    Only regular files are read: a FIFO named ``x.png`` would block the reader forever, and a
+    device would be read without end. The file is opened non-blocking (which changes nothing
+    for a regular file) and checked after opening, so a file swapped for a FIFO after the
+    folder was listed cannot hang either.
+    """
+    with open(path, "rb", opener=_open_nonblocking) as file:
+        mode = os.fstat(file.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(f"not a regular file ({file_kind(mode)})")
+        try:
+            handle = Image.open(file)
+        except UnidentifiedImageError:
+            # Pillow names a file object by its repr; say the path, as for Image.open(path).
+            raise UnidentifiedImageError(f"cannot identify image file {str(path)!r}") from None
+        with handle:
+            handle.seek(0)
+            image = ImageOps.exif_transpose(handle)
+            image.load()
+            return image
+
+
+def file_kind(mode: int) -> str:
+    """What kind of file a ``st_mode`` describes, in words (for messages)."""
+    kinds = (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
+    return next((word for test, word in kinds if test(mode)), "not a regular file")
 
 
 def decode(item: tuple[str, Path | np.ndarray], image_size: int, channels: int) -> np.ndarray:

@@ -7,6 +7,10 @@ new version; its leftovers are temporary folders, which readers refuse (no meta 
 the next run deletes. The two renames are not one atomic step: a kill between them leaves a
 new train beside the previous val. Both meta records name the pair's content hashes
 (``pair``), and readers of both splits refuse a mismatch (:func:`store.check_pair`).
+
+A run holds a lock on the output folder from start to end (:func:`files.locked_dir`): a
+second run at the same time fails at once, naming the pid of the first, instead of deleting
+the first run's temporaries as leftovers.
 """
 
 from __future__ import annotations
@@ -27,8 +31,16 @@ from tqdm import tqdm
 
 from ganpipe.data import convert
 from ganpipe.data.sources import Listing, list_source
-from ganpipe.data.store import FORMAT, FORMAT_VERSION, LmdbWriter
-from ganpipe.files import OLD_MARK, replace_dir
+from ganpipe.data.store import (
+    FORMAT,
+    FORMAT_VERSION,
+    LABEL,
+    DatasetError,
+    LmdbWriter,
+    WriteFailedError,
+    estimate_bytes,
+)
+from ganpipe.files import TMP_MARK, clear_leftovers, locked_dir, replace_dir
 from ganpipe.params import DataParams
 
 log = logging.getLogger(__name__)
@@ -36,7 +48,6 @@ log = logging.getLogger(__name__)
 SPLITS = ("train", "val")
 #: Below this many files the process pool costs more than it saves.
 PARALLEL_MIN_FILES = 512
-TMP_MARK = ".tmp-"
 
 
 @dataclass
@@ -90,11 +101,28 @@ def usable_cpus() -> int:
     return os.cpu_count() or 1
 
 
-def _clear_leftovers(out_dir: Path) -> None:
-    for split in SPLITS:
-        for stale in out_dir.glob(f".{split}.lmdb*"):
-            if TMP_MARK in stale.name or OLD_MARK in stale.name:
-                shutil.rmtree(stale, ignore_errors=True)
+def _size(num_bytes: float) -> str:
+    if num_bytes >= 2**30:
+        return f"{num_bytes / 2**30:,.1f} GiB"
+    return f"{num_bytes / 2**20:,.1f} MiB"
+
+
+def _write_failed(
+    exc: WriteFailedError, out_dir: Path, listing: Listing, value_bytes: int, written: int
+) -> DatasetError:
+    """The error for a failed write (disk full...), said in space: needed, written, free."""
+    needed = estimate_bytes(len(listing), value_bytes)
+    try:
+        free = f"{_size(shutil.disk_usage(out_dir).free)} free there now"
+    except OSError:
+        free = "free space unknown"
+    return DatasetError(
+        f"writing {exc.path} failed ({exc.cause}); is the disk full? The new train and val "
+        f"databases need about {_size(needed)} in {out_dir}/ beside the previous ones "
+        f"({_size(written)} were written before the failure; {free}). Free some space or "
+        f"raise the quota, then rerun prepare; the previous {out_dir}/train.lmdb and "
+        f"{out_dir}/val.lmdb were not touched"
+    )
 
 
 def _swap_into_place(built: dict[str, Path], out_dir: Path) -> None:
@@ -125,11 +153,26 @@ def prepare_dataset(
         progress: Show a progress bar.
 
     Raises:
-        SourceError: the source cannot be read.
-        BadImageError: an image cannot be decoded and ``data.on_bad_image`` is ``error``.
+        SourceError: the source cannot be read, or holds labels outside its classes.
+        BadImageError: images cannot be decoded and ``data.on_bad_image`` is ``error``; the
+            whole source is scanned first, so it names every bad file (up to a cap).
+        DatasetError: writing failed (disk full...); it says how much space is needed.
+        OutputsBusyError: another prepare is writing to ``out_dir``.
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _clear_leftovers(out_dir)
+    with locked_dir(out_dir, "prepare"):
+        clear_leftovers(out_dir, [f"{split}.lmdb" for split in SPLITS])
+        return _prepare_locked(data, seed, out_dir, root, workers, initial_map_size, progress)
+
+
+def _prepare_locked(
+    data: DataParams,
+    seed: int,
+    out_dir: Path,
+    root: Path,
+    workers: int | None,
+    initial_map_size: int | None,
+    progress: bool,
+) -> PrepareReport:
     path = None if data.path is None else (root / data.path)
     listing = list_source(data.source, path, allow_empty_classes=data.on_bad_image == "skip")
     is_val = split_indices(len(listing), data.val_fraction, seed)
@@ -152,6 +195,7 @@ def prepare_dataset(
     tmp = {s: out_dir / f".{s}.lmdb{TMP_MARK}{os.getpid()}" for s in SPLITS}
     writers: dict[str, LmdbWriter] = {}
     skipped: dict[str, list[dict[str, str]]] = {s: [] for s in SPLITS}
+    bad: list[tuple[str, str]] = []
     class_counts = {s: [0] * len(listing.classes) for s in SPLITS}
     start = time.perf_counter()
     try:
@@ -170,18 +214,22 @@ def prepare_dataset(
             for index, (pixels, reason) in enumerate(decoded):
                 split = "val" if is_val[index] else "train"
                 name, label = listing.names[index], listing.labels[index]
-                if pixels is None:
-                    if data.on_bad_image == "error":
-                        raise convert.BadImageError(
-                            name,
-                            f"{reason}. Fix or remove the file, or set "
-                            "data.on_bad_image=skip to leave unreadable images out",
-                        )
+                if pixels is None and data.on_bad_image == "error":
+                    # Go on decoding (writing nothing more): one error lists every bad file.
+                    bad.append((name, reason))
+                elif pixels is None:
                     skipped[split].append({"file": name, "reason": reason})
-                else:
+                elif not bad:
                     writers[split].add(label, pixels.tobytes())
                     class_counts[split][label] += 1
                 bar.update()
+        if bad:
+            where = f"data.path={str(data.path)!r}" if data.path else f"data.source={data.source}"
+            fix = (
+                f"Fix or remove {'it' if len(bad) == 1 else 'them'}, or set "
+                "data.on_bad_image=skip to leave unreadable images out"
+            )
+            raise convert.BadImageError.listing(bad, where, fix)
         elapsed = time.perf_counter() - start
         base = {
             "format": FORMAT,
@@ -220,9 +268,14 @@ def prepare_dataset(
                 count=writers[split].count, content_sha256=writers[split].content_sha256
             )
         _swap_into_place(tmp, out_dir)
-    except BaseException:
+    except BaseException as exc:
+        written = sum(writer.disk_bytes() for writer in writers.values())
         for writer in writers.values():
             writer.abort()
+        for folder in tmp.values():  # a writer that failed to open is not in `writers`
+            shutil.rmtree(folder, ignore_errors=True)
+        if isinstance(exc, WriteFailedError):
+            raise _write_failed(exc, out_dir, listing, LABEL.size + record_bytes, written) from exc
         raise
     all_skipped = skipped["train"] + skipped["val"]
     if all_skipped:

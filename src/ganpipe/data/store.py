@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,43 @@ KEY_DIGITS = 8
 
 class DatasetError(ValueError):
     """An LMDB database is missing, incomplete or not ours; the message says what to run."""
+
+
+class WriteFailedError(DatasetError):
+    """Writing the database at ``path`` failed: disk full, quota, an I/O error."""
+
+    def __init__(self, path: Path, cause: Exception):
+        super().__init__(f"writing {path} failed: {cause}")
+        self.path = path
+        self.cause = cause
+
+
+@contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    # LMDB reports a full disk as lmdb.Error (often "Input/output error": the error of the
+    # flush or sync, not ENOSPC), creating the folder as OSError.
+    try:
+        yield
+    except (lmdb.Error, OSError) as exc:
+        raise WriteFailedError(path, exc) from exc
+
+
+#: LMDB's page size here, and the largest value stored inside a leaf page (``mdb_env_open``:
+#: ``(page - 16) / 2`` minus the node header); longer values take overflow pages of their own.
+PAGE_BYTES = 4096
+MAX_INLINE_VALUE_BYTES = (PAGE_BYTES - 16) // 2 - 8
+
+
+def estimate_bytes(num_records: int, value_bytes: int) -> int:
+    """About how many bytes a database of ``num_records`` values of ``value_bytes`` takes."""
+    node_bytes = 8 + KEY_DIGITS + 2  # node header, key, the page's pointer to the node
+    if value_bytes + KEY_DIGITS > MAX_INLINE_VALUE_BYTES:
+        pages = num_records * math.ceil((value_bytes + 16) / PAGE_BYTES)  # overflow pages
+        pages += math.ceil(num_records * (node_bytes + 8) / (PAGE_BYTES - 16))  # leaf pages
+    else:
+        per_page = (PAGE_BYTES - 16) // (node_bytes + value_bytes)  # nodes are never split
+        pages = math.ceil(num_records / per_page)
+    return (pages + pages // 100 + 4) * PAGE_BYTES  # + branch pages, meta pages
 
 
 def record_key(index: int) -> bytes:
@@ -56,12 +96,14 @@ class LmdbWriter:
         self.map_growths = 0
         self._hash = hashlib.sha256()
         self._pending: list[tuple[bytes, bytes]] = []
-        path.mkdir(parents=True, exist_ok=False)
-        # meminit (the default) zeroes unused page bytes; without it they hold stale heap
-        # memory and two identical runs write different files.
-        self._env = lmdb.open(
-            str(path), map_size=map_size, lock=False, subdir=True, meminit=True, max_dbs=0
-        )
+        self._env = None
+        with _writing(path):
+            path.mkdir(parents=True, exist_ok=False)
+            # meminit (the default) zeroes unused page bytes; without it they hold stale heap
+            # memory and two identical runs write different files.
+            self._env = lmdb.open(
+                str(path), map_size=map_size, lock=False, subdir=True, meminit=True, max_dbs=0
+            )
 
     def add(self, label: int, pixels: bytes) -> None:
         """Queue one record; commits every ``commit_every`` records."""
@@ -74,13 +116,20 @@ class LmdbWriter:
             self._commit()
 
     def _commit(self) -> None:
+        """Write the pending records in one transaction.
+
+        Raises:
+            WriteFailedError: the disk is full, or another write error.
+        """
         while True:
             try:
-                with self._env.begin(write=True) as txn:
+                with _writing(self.path), self._env.begin(write=True) as txn:
                     for key, value in self._pending:
                         txn.put(key, value, overwrite=False, append=True)
                 break
-            except lmdb.MapFullError:
+            except WriteFailedError as exc:
+                if not isinstance(exc.cause, lmdb.MapFullError):
+                    raise
                 # The transaction was aborted; grow the map and write the same batch again.
                 self._env.set_mapsize(self._env.info()["map_size"] * 2)
                 self.map_growths += 1
@@ -97,12 +146,19 @@ class LmdbWriter:
         meta = {**meta, "count": self.count, "content_sha256": self.content_sha256}
         self._pending.append((META_KEY, json.dumps(meta, sort_keys=True).encode()))
         self._commit()
-        self._env.sync(True)
-        self._env.close()
+        with _writing(self.path):
+            self._env.sync(True)
+            self._env.close()
+
+    def disk_bytes(self) -> int:
+        """Bytes the database takes on disk so far (allocated blocks)."""
+        return sum(f.stat().st_blocks * 512 for f in self.path.glob("*.mdb") if f.is_file())
 
     def abort(self) -> None:
         """Close and delete the unfinished database."""
-        self._env.close()
+        if self._env is not None:
+            with suppress(lmdb.Error):  # closing after a failed write: the folder goes anyway
+                self._env.close()
         shutil.rmtree(self.path, ignore_errors=True)
 
 
@@ -153,18 +209,83 @@ def read_meta(path: Path) -> dict[str, Any]:
         meta = json.loads(raw)
     except ValueError as exc:
         raise DatasetError(f"{path}: the meta record is not valid JSON ({exc})") from exc
+    if not isinstance(meta, dict):
+        raise DatasetError(
+            f"{path}: the meta record is a JSON {type(meta).__name__}, not an object; "
+            "rebuild it with `dvc repro prepare`"
+        )
     if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
         raise DatasetError(
             f"{path}: meta record has format {meta.get('format')!r} version "
             f"{meta.get('version')!r}; expected {FORMAT!r} version {FORMAT_VERSION}. "
             "Rebuild it with `dvc repro prepare`"
         )
+    _check_meta_fields(path, meta)
     if entries != meta["count"] + 1:
         raise DatasetError(
             f"{path}: meta says {meta['count']} records but the database holds {entries - 1}; "
             "rebuild it with `dvc repro prepare`"
         )
     return meta
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+#: The meta fields that readers use, each with its rule and the rule in words.
+_META_FIELDS: dict[str, tuple[Any, str]] = {
+    "count": (_is_count, "an integer >= 0"),
+    "shape": (
+        lambda v: (
+            isinstance(v, list)
+            and len(v) == 3
+            and all(_is_count(n) and n > 0 for n in v)
+            and v[2] in (1, 3)
+        ),
+        "[height, width, channels] with positive sizes and 1 or 3 channels",
+    ),
+    "content_sha256": (lambda v: isinstance(v, str), "a string"),
+}
+_OPTIONAL_META_FIELDS: dict[str, tuple[Any, str]] = {
+    "dtype": (lambda v: v == "uint8", '"uint8"'),
+    "classes": (
+        lambda v: isinstance(v, list) and all(isinstance(c, str) for c in v),
+        "a list of strings",
+    ),
+    "class_counts": (
+        lambda v: isinstance(v, list) and all(_is_count(n) for n in v),
+        "a list of integers >= 0",
+    ),
+    "pair": (
+        lambda v: isinstance(v, dict) and all(isinstance(h, str) for h in v.values()),
+        "an object of strings",
+    ),
+}
+
+
+def _check_meta_fields(path: Path, meta: dict[str, Any]) -> None:
+    """Refuse a meta record whose fields readers would trip over (a hand-edited record)."""
+
+    def show(value: Any) -> str:
+        text = json.dumps(value)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    problems = [
+        f"{key}={show(meta[key]) if key in meta else 'missing'} (expected {words})"
+        for key, (valid, words) in _META_FIELDS.items()
+        if key not in meta or not valid(meta[key])
+    ]
+    problems += [
+        f"{key}={show(meta[key])} (expected {words})"
+        for key, (valid, words) in _OPTIONAL_META_FIELDS.items()
+        if key in meta and not valid(meta[key])
+    ]
+    if problems:
+        raise DatasetError(
+            f"{path}: the meta record has bad field(s): {'; '.join(problems)}; "
+            "rebuild it with `dvc repro prepare`"
+        )
 
 
 def check_pair(

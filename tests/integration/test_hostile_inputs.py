@@ -1,0 +1,511 @@
+"""Hostile and broken data (issue 13): every case ends in one `error:` naming the file or key,
+exit status 2, no traceback and the previous outputs untouched — or in documented behaviour
+(link loops read once, FIFOs skipped, leftovers cleared). No case may hang.
+
+Stage subprocesses are used where the exit status and stderr are the point; the rest call the
+library in-process.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import multiprocessing
+import os
+import pickle
+import resource
+import signal
+import struct
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+from ganpipe.checkpoint import save_atomic
+from ganpipe.data import convert
+from ganpipe.data.convert import BadImageError
+from ganpipe.data.dataset import LmdbImageDataset
+from ganpipe.data.prepare import prepare_dataset
+from ganpipe.data.sources import SourceError, read_idx
+from ganpipe.data.store import (
+    FORMAT,
+    FORMAT_VERSION,
+    LABEL,
+    META_KEY,
+    DatasetError,
+    LmdbWriter,
+    estimate_bytes,
+    read_meta,
+)
+from ganpipe.files import OutputsBusyError, locked_dir
+from ganpipe.nets import DcganGenerator
+from ganpipe.params import DataParams, Params
+from tests.conftest import dir_digest, random_image, solid_image
+from tests.helpers import run_stage, stage_env
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def prep(tmp_path: Path, **data):
+    out = tmp_path / "out"
+    return out, prepare_dataset(DataParams(**data), 0, out, root=tmp_path, progress=False)
+
+
+def project_with_previous_outputs(root: Path) -> Path:
+    """A project whose data/ holds a complete train/val pair from an earlier prepare."""
+    for i in range(4):
+        solid_image(root / "previous" / f"{i}.png", (10 * i, 0, 0))
+    data = DataParams(source="folder", path="previous", image_size=8, val_fraction=0.25)
+    prepare_dataset(data, 0, root / "data", root=root, progress=False)
+    return root
+
+
+def write_params(root: Path, data: dict) -> None:
+    (root / "params.yaml").write_text(yaml.safe_dump({"seed": 0, "data": data}))
+
+
+def stage_error(result: subprocess.CompletedProcess) -> str:
+    """The stage's `error:` message, after checking it failed as a user error should."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    return result.stderr[result.stderr.index("error: ") :]
+
+
+def write_idx(path: Path, array: np.ndarray, shape=None, extra: bytes = b"") -> Path:
+    """An IDX file of ``array``; ``shape`` overrides the header (a lying header)."""
+    shape = array.shape if shape is None else shape
+    header = struct.pack(">HBB", 0, 8, len(shape)) + struct.pack(f">{len(shape)}I", *shape)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with (gzip.open if path.suffix == ".gz" else open)(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes() + extra)
+    return path
+
+
+def write_mnist(root: Path, images=None, labels=None, image_shape=None) -> None:
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (4, 28, 28)) if images is None else images
+    labels = np.array([3, 1, 4, 1]) if labels is None else labels
+    write_idx(root / "train-images-idx3-ubyte", images, image_shape)
+    write_idx(root / "train-labels-idx1-ubyte", labels)
+
+
+def write_cifar(root: Path, labels=None, meta=None, batch=3) -> None:
+    """Five tiny CIFAR-10 batches; ``labels`` replaces the labels of batch ``batch``."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(1, 6):
+        data = rng.integers(0, 256, (2, 3072), dtype=np.uint8)
+        entry = {"data": data, "labels": [int(y) for y in rng.integers(0, 10, 2)]}
+        if i == batch and labels is not None:
+            entry["labels"] = labels
+        (root / f"data_batch_{i}").write_bytes(pickle.dumps(entry))
+    meta = {"label_names": [f"class{i}" for i in range(10)]} if meta is None else meta
+    (root / "batches.meta").write_bytes(pickle.dumps(meta))
+
+
+def many_bad_files(root: Path, num_bad: int) -> list[str]:
+    solid_image(root / "a" / "good.png", (1, 2, 3))
+    names = []
+    for i in range(num_bad):
+        (root / "a" / f"bad{i:02d}.png").write_bytes(b"not a png")
+        names.append(f"a/bad{i:02d}.png")
+    return names
+
+
+# --- the prepare stage: one subprocess per case --------------------------------------------
+
+# case -> (make the hostile source under the project, data params, words the error must hold)
+CASES = {
+    "cifar_label_minus_one": (
+        lambda p: write_cifar(p / "cifar", labels=[0, -1]),
+        {"source": "cifar10", "path": "cifar", "channels": 3},
+        ["data_batch_3", "outside 0..9", "-1"],
+    ),
+    "cifar_label_ten": (
+        lambda p: write_cifar(p / "cifar", labels=[10, 2]),
+        {"source": "cifar10", "path": "cifar", "channels": 3},
+        ["data_batch_3", "outside 0..9", "10"],
+    ),
+    "cifar_labels_an_int": (
+        lambda p: write_cifar(p / "cifar", labels=7),
+        {"source": "cifar10", "path": "cifar", "channels": 3},
+        ["data_batch_3", "'labels' must be a list of integers"],
+    ),
+    "cifar_meta_without_label_names": (
+        lambda p: write_cifar(p / "cifar", meta={"names": ["a"]}),
+        {"source": "cifar10", "path": "cifar", "channels": 3},
+        ["batches.meta", "label_names"],
+    ),
+    "mnist_label_255": (
+        lambda p: write_mnist(p / "mnist", labels=np.array([3, 255, 4, 1])),
+        {"source": "mnist", "path": "mnist"},
+        ["train-labels-idx1-ubyte", "outside 0..9", "255"],
+    ),
+    "mnist_zero_size_images": (
+        lambda p: write_mnist(p / "mnist", images=np.zeros(0), image_shape=(4, 0, 28)),
+        {"source": "mnist", "path": "mnist"},
+        ["train-images-idx3-ubyte", "(4, 0, 28)"],
+    ),
+    "mnist_gz_longer_than_its_header": (
+        lambda p: (
+            write_idx(
+                p / "mnist" / "train-images-idx3-ubyte.gz",
+                np.zeros((4, 28, 28)),
+                extra=bytes(4 << 20),
+            ),
+            write_idx(p / "mnist" / "train-labels-idx1-ubyte", np.array([3, 1, 4, 1])),
+        ),
+        {"source": "mnist", "path": "mnist"},
+        ["train-images-idx3-ubyte.gz", "more data than its header"],
+    ),
+    "many_bad_images": (
+        lambda p: many_bad_files(p / "imgs", 3),
+        {"source": "folder", "path": "imgs"},
+        ["3 unreadable images", "a/bad00.png", "a/bad01.png", "a/bad02.png", "on_bad_image"],
+    ),
+    "class_folder_linked_twice": (
+        lambda p: (
+            solid_image(p / "imgs" / "cats" / "c.png", (1, 2, 3)),
+            (p / "imgs" / "kittens").symlink_to("cats"),
+        ),
+        {"source": "folder", "path": "imgs"},
+        ["'kittens'", "cats", "data.path"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_prepare_refuses_hostile_source_keeping_previous_outputs(tmp_path, case):
+    make, data, words = CASES[case]
+    project = project_with_previous_outputs(tmp_path)
+    make(project)
+    write_params(project, {"image_size": 16, **data})
+    before = dir_digest(project / "data")
+    message = stage_error(run_stage(project, "prepare", timeout=120))
+    for word in words:
+        assert word in message, message
+    assert dir_digest(project / "data") == before  # no new file, no temporary left
+
+
+# --- link loops and special files -------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_link_loops_read_each_folder_once(tmp_path, class_folder, caplog):
+    (class_folder / "cats" / "again").symlink_to("../cats")  # a class folder holding itself
+    (class_folder / "dogs" / "up").symlink_to("..")  # back to data.path: would list both
+    (class_folder / "dogs" / "inner").mkdir()
+    (class_folder / "dogs" / "inner" / "loop").symlink_to("../..")
+    out, report = prep(tmp_path, source="folder", path="images", image_size=8, val_fraction=0.5)
+    assert report.counts == {"train": 3, "val": 3}  # the six images, once each
+    ds = [LmdbImageDataset(out / f"{s}.lmdb") for s in ("train", "val")]
+    pixels = np.concatenate([d.uint8_array() for d in ds])
+    assert len({p.tobytes() for p in pixels}) == 6  # no image twice, in one split or both
+    assert "images/cats/again: it is" in caplog.text and "each folder is read once" in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_fifos_and_devices_named_like_images_are_skipped(tmp_path, class_folder, caplog):
+    os.mkfifo(class_folder / "cats" / "x.png")
+    (class_folder / "dogs" / "zero.png").symlink_to("/dev/zero")
+    _, report = prep(tmp_path, source="folder", path="images", image_size=8, val_fraction=0)
+    assert report.counts["train"] == 6 and report.skipped == []
+    assert "cats/x.png: a FIFO, not an image file" in caplog.text
+    assert "dogs/zero.png: a character device, not an image file" in caplog.text
+
+
+@pytest.mark.timeout(10)
+def test_decoding_refuses_a_fifo_without_blocking(tmp_path):
+    # A file swapped for a FIFO after the listing: the decoder itself must not block on it.
+    os.mkfifo(tmp_path / "late.png")
+    with pytest.raises(BadImageError, match=r"not a regular file \(a FIFO\)"):
+        convert.decode(("late.png", tmp_path / "late.png"), 8, 1)
+
+
+# --- bad images: all listed, in one error ------------------------------------------------
+
+
+def test_every_bad_image_is_listed_up_to_a_cap(tmp_path):
+    names = many_bad_files(tmp_path / "imgs", convert.MAX_LISTED_BAD + 5)
+    with pytest.raises(BadImageError) as info:
+        prep(tmp_path, source="folder", path="imgs", image_size=8, val_fraction=0)
+    message = str(info.value)
+    assert [name for name, _ in info.value.bad] == names  # all of them, in listing order
+    assert message.startswith(f"{len(names)} unreadable images in data.path='imgs'")
+    listed = [line for line in message.splitlines() if line.startswith("  - ")]
+    assert len(listed) == convert.MAX_LISTED_BAD and names[0] in listed[0]
+    assert message.splitlines()[-1] == "  ... and 5 more"
+    assert not list((tmp_path / "out").iterdir())
+
+
+# --- MNIST reads are bounded by the header -----------------------------------------------
+
+
+def test_idx_reads_only_what_its_header_announces(tmp_path):
+    # A small gzip stream that inflates to 64 MB behind a header announcing 10 images.
+    path = write_idx(tmp_path / "x.gz", np.zeros((10, 28, 28)), extra=bytes(64 << 20))
+    tracemalloc.start()
+    try:
+        with pytest.raises(SourceError, match="holds more data than its header"):
+            read_idx(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"read {peak} bytes for a 7,840-byte payload"
+
+
+def test_idx_header_beyond_the_bound_is_refused_before_reading(tmp_path):
+    path = write_idx(tmp_path / "x", np.zeros(3), shape=(60000, 65535, 65535))
+    with pytest.raises(SourceError, match=r"x announces shape .* more than the"):
+        read_idx(path)
+
+
+def test_truncated_idx_names_what_is_missing(tmp_path):
+    path = write_idx(tmp_path / "x.gz", np.zeros((5, 28, 28)), shape=(10, 28, 28))
+    with pytest.raises(SourceError, match="is truncated.*holds 3,920 of 7,840 bytes"):
+        read_idx(path)
+
+
+# --- meta records a reader trips over ----------------------------------------------------
+
+
+def write_db_with_meta(path: Path, meta_bytes: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    env = lmdb.open(str(path), map_size=1 << 20, lock=False, subdir=True)
+    with env.begin(write=True) as txn:
+        txn.put(b"00000000", b"\0" * (4 + 8 * 8))
+        txn.put(META_KEY, meta_bytes)
+    env.close()
+
+
+GOOD_META = {
+    "format": FORMAT,
+    "version": FORMAT_VERSION,
+    "count": 1,
+    "shape": [8, 8, 1],
+    "content_sha256": "0" * 64,
+}
+
+
+@pytest.mark.parametrize(
+    ("meta", "words"),
+    [
+        ([1, 2], "a JSON list, not an object"),
+        ("a string", "a JSON str, not an object"),
+        ({**GOOD_META, "count": "1"}, 'count="1" (expected an integer >= 0)'),
+        ({**GOOD_META, "shape": [8, 8]}, "shape=[8, 8] (expected [height, width, channels]"),
+        ({**GOOD_META, "shape": [8, 0, 1]}, "shape=[8, 0, 1]"),
+        ({**GOOD_META, "class_counts": 3}, "class_counts=3 (expected a list"),
+        ({k: v for k, v in GOOD_META.items() if k != "count"}, "count=missing"),
+    ],
+)
+def test_meta_record_of_the_wrong_type_is_a_dataset_error(tmp_path, meta, words):
+    write_db_with_meta(tmp_path / "x.lmdb", json.dumps(meta).encode())
+    with pytest.raises(DatasetError) as info:
+        read_meta(tmp_path / "x.lmdb")
+    assert str(info.value).startswith(str(tmp_path / "x.lmdb")), info.value
+    assert words in str(info.value) and "dvc repro prepare" in str(info.value)
+
+
+def test_a_stage_reading_a_bad_meta_record_exits_cleanly(tmp_path, monkeypatch, capsys):
+    # In-process through the stages' own error handling (stages/_cli.py): a featurenet
+    # subprocess would spend ~10 s importing torch to show the same thing.
+    from stages import _cli
+    from stages import featurenet as featurenet_stage
+
+    for split in ("train", "val"):
+        write_db_with_meta(tmp_path / "data" / f"{split}.lmdb", b"[1, 2]")
+    write_params(tmp_path, {})
+    before = dir_digest(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["featurenet"])
+    with pytest.raises(SystemExit) as exited:
+        _cli.run(featurenet_stage.main, "featurenet")
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: data/train.lmdb: the meta record is a JSON list"), err
+    assert "Traceback" not in err
+    assert dir_digest(tmp_path) == before
+
+
+# --- disk full ---------------------------------------------------------------------------
+
+
+def _file_size_limit(limit: int):
+    def apply() -> None:
+        # Writes past `limit` bytes fail with EFBIG, as they would with ENOSPC on a full disk.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def test_disk_full_says_how_much_space_and_keeps_previous_outputs(tmp_path):
+    project = project_with_previous_outputs(tmp_path)
+    for i in range(200):
+        random_image(project / "big" / f"{i:03d}.png", i, size=(16, 16))
+    write_params(project, {"source": "folder", "path": "big", "image_size": 32, "channels": 3})
+    before = dir_digest(project / "data")
+    result = subprocess.run(
+        [sys.executable, "-m", "stages.prepare"],
+        cwd=project,
+        env=stage_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=_file_size_limit(256 << 10),
+    )
+    message = stage_error(result)
+    assert "writing data/.train.lmdb.tmp-" in message or "writing data/.val.lmdb.tmp-" in message
+    assert "need about" in message and "MiB in data/" in message and "free there now" in message
+    assert "the previous data/train.lmdb and data/val.lmdb were not touched" in message
+    assert dir_digest(project / "data") == before
+
+
+@pytest.mark.parametrize("pixels", [8 * 8, 32 * 32, 32 * 32 * 3])  # inline; inline; overflow
+def test_the_space_estimate_is_near_what_lmdb_writes(tmp_path, pixels):
+    writer = LmdbWriter(tmp_path / "db", map_size=1 << 26)
+    for i in range(3000):
+        writer.add(i % 10, bytes(pixels))
+    writer.finish({"format": FORMAT, "version": FORMAT_VERSION, "shape": [1, 1, 1]})
+    written = (tmp_path / "db" / "data.mdb").stat().st_size
+    estimate = estimate_bytes(3000, LABEL.size + pixels)
+    assert 0.8 < estimate / written < 1.25, (estimate, written)
+
+
+# --- leftovers and concurrency -----------------------------------------------------------
+
+
+def test_a_second_prepare_fails_at_once_naming_the_first(tmp_path):
+    project = project_with_previous_outputs(tmp_path)
+    write_params(project, {"source": "folder", "path": "previous", "image_size": 16})
+    others = project / "data" / ".train.lmdb.tmp-999999"  # the running one's work
+    others.mkdir()
+    (others / "data.mdb").write_bytes(b"half written")
+    before = dir_digest(project / "data")
+    with locked_dir(project / "data", "prepare"):
+        start = time.monotonic()
+        message = stage_error(run_stage(project, "prepare", timeout=120))
+        with pytest.raises(OutputsBusyError, match=f"being written by process {os.getpid()}"):
+            prepare_dataset(DataParams(), 0, project / "data", progress=False)
+    assert time.monotonic() - start < 60  # it did not wait
+    assert f"data/ is being written by process {os.getpid()}" in message
+    assert "another `prepare` run?" in message
+    assert dir_digest(project / "data") == before  # the first run's temporaries survive
+    # Once the first run is gone, the next one clears its leftovers.
+    data = DataParams(source="folder", path="previous", image_size=8, val_fraction=0.25)
+    report = prepare_dataset(data, 0, project / "data", root=project, progress=False)
+    assert report.counts == {"train": 3, "val": 1} and not others.exists()
+
+
+def _hold_lock(folder: str, ready) -> None:
+    with locked_dir(Path(folder), "test"):
+        ready.set()
+        time.sleep(60)
+
+
+def _sleep(started) -> None:
+    started.set()
+    time.sleep(30)
+
+
+def test_the_lock_goes_with_a_killed_holder_and_is_not_kept_by_forked_children(tmp_path):
+    context = multiprocessing.get_context("fork")
+    ready = context.Event()
+    holder = context.Process(target=_hold_lock, args=(str(tmp_path), ready))
+    holder.start()
+    assert ready.wait(30)
+    with pytest.raises(OutputsBusyError, match=f"process {holder.pid}"), locked_dir(tmp_path, "x"):
+        pass
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join()
+    with locked_dir(tmp_path, "test"):  # the kernel dropped the killed holder's lock
+        started = context.Event()
+        child = context.Process(target=_sleep, args=(started,))
+        child.start()  # a forked child (like prepare's decoding pool) ...
+        # Until the child runs, it shares the lock (fork copies the descriptor); the at-fork
+        # hook closes its copy before any of its own code runs.
+        assert started.wait(30)
+    try:
+        with locked_dir(tmp_path, "test"):  # ... does not keep it after the parent lets go
+            pass
+    finally:
+        child.kill()
+        child.join()
+
+
+def tiny_generator_project(root: Path) -> Params:
+    """``root/models/g_ema.pt`` of an untrained tiny generator, written as train writes it."""
+    from stages.train import model_record
+
+    params = Params.model_validate(
+        {
+            "data": {"image_size": 16, "channels": 1},
+            "model": {"z_dim": 4, "g_width": 4},
+            "devices": {"accelerator": "cpu", "cpu_threads": 1},
+            "generate": {
+                "grid_rows": 2,
+                "num_images": 3,
+                "interpolation_rows": 1,
+                "interpolation_steps": 2,
+            },
+        }
+    )
+    torch.manual_seed(0)
+    g = DcganGenerator(4, 4, 1, 16, params.model.norm)
+    save_atomic(model_record(params, "generator", g.state_dict()), root / "models" / "g_ema.pt")
+    return params
+
+
+def test_generate_clears_what_a_killed_run_left(tmp_path, monkeypatch):
+    from stages import generate as generate_stage
+
+    params = tiny_generator_project(tmp_path)
+    samples = tmp_path / "samples"
+    leftovers = [samples / ".images.tmp-k1llme", samples / ".images.old-4242"]
+    for folder in leftovers:
+        folder.mkdir(parents=True)
+        (folder / "000000.png").write_bytes(b"half")
+    leftovers.append(samples / ".grid.png.tmp-4242")
+    leftovers[-1].write_bytes(b"half")
+    keep = samples / "notes.txt"  # not ours: stays
+    keep.write_text("mine")
+    monkeypatch.chdir(tmp_path)
+    generate_stage.main(params)
+    assert not any(p.exists() for p in leftovers)
+    assert sorted(p.name for p in samples.iterdir()) == [
+        "grid.png",
+        "images",
+        "interpolation.png",
+        "notes.txt",
+    ]
+    assert sorted(p.name for p in (samples / "images").iterdir()) == [
+        "000000.png",
+        "000001.png",
+        "000002.png",
+    ]
+    Image.open(samples / "grid.png").verify()
+
+
+def test_a_second_generate_fails_at_once_leaving_the_first_ones_files(tmp_path, monkeypatch):
+    from stages import generate as generate_stage
+
+    params = tiny_generator_project(tmp_path)
+    running = tmp_path / "samples" / ".images.tmp-first"
+    running.mkdir(parents=True)
+    (running / "000000.png").write_bytes(b"being written")
+    monkeypatch.chdir(tmp_path)
+    busy = pytest.raises(OutputsBusyError, match="samples/ is being written by process")
+    with locked_dir(Path("samples"), "generate"), busy:
+        generate_stage.main(params)
+    assert (running / "000000.png").read_bytes() == b"being written"
