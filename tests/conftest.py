@@ -5,6 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ganpipe import cpu
+from ganpipe.params import Params
+
+# In-process tests compute in the default (portable) CPU mode, like the stages: pinned
+# before anything loads torch (configure_runtime refuses a process that was not).
+cpu.pin(Params().determinism, Params().devices)
+
 import numpy as np
 import pytest
 import torch

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
+import platform
 import random
 import resource
 from collections.abc import Callable
@@ -12,6 +14,7 @@ from contextlib import AbstractContextManager
 import numpy as np
 import torch
 
+from ganpipe import cpu
 from ganpipe.params import DeterminismParams, DevicesParams
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -78,7 +81,7 @@ def resolve_device(devices: DevicesParams) -> torch.device:
 def configure_runtime(
     seed: int, devices: DevicesParams, determinism: DeterminismParams, rank: int = 0
 ) -> None:
-    """Set thread count, global seeds (per rank) and determinism flags for this process.
+    """Set CPU numerics, thread count, global seeds (per rank) and determinism flags.
 
     Everything that must agree across ranks (initial weights, data order, latents) uses
     its own seeded generator; the global RNGs, seeded per rank, only feed per-rank noise
@@ -86,7 +89,12 @@ def configure_runtime(
 
     ``CUBLAS_WORKSPACE_CONFIG`` must be in the environment before CUDA initialises; the
     stage entry point sets it (this library reads no environment variables).
+
+    Raises:
+        ValueError: this process was not pinned (:func:`ganpipe.cpu.pin`) to
+            ``determinism.cpu_isa`` before torch was imported, or the pin did not take.
     """
+    apply_cpu_numerics(determinism)
     torch.set_num_threads(devices.cpu_threads)
     random.seed(derive_seed(seed, "python", rank))
     np.random.seed(derive_seed(seed, "numpy", rank) % 2**32)
@@ -94,6 +102,73 @@ def configure_runtime(
     torch.use_deterministic_algorithms(determinism.deterministic)
     torch.backends.cudnn.deterministic = determinism.deterministic
     torch.backends.cudnn.benchmark = determinism.cudnn_benchmark
+
+
+def apply_cpu_numerics(determinism: DeterminismParams) -> None:
+    """Switch torch to the CPU code paths of ``determinism.cpu_isa`` and check the pins.
+
+    The environment part was set by :func:`ganpipe.cpu.pin` before torch loaded; what
+    torch decides at run time is set here: oneDNN off in the portable mode (its
+    convolutions choose blocking by cache size and core count, not only by instruction
+    set), and denormals kept (a library loaded with flush-to-zero would change results).
+    """
+    mode, pinned = determinism.cpu_isa, cpu.pinned_mode()
+    if pinned != mode:
+        how = "never pinned" if pinned is None else f"pinned to determinism.cpu_isa={pinned}"
+        raise ValueError(
+            f"determinism.cpu_isa={mode} but this process was {how} before torch was "
+            "imported; call ganpipe.cpu.pin(params.determinism, params.devices) first thing "
+            "in the entry point (the stages do), or run the stage as `python -m stages.NAME`"
+        )
+    torch.set_flush_denormal(False)
+    torch.backends.mkldnn.enabled = mode == "native"
+    if mode == "avx2" and torch.backends.cpu.get_cpu_capability() != "AVX2":
+        raise ValueError(
+            f"determinism.cpu_isa=avx2 but ATen runs its {torch.backends.cpu.get_cpu_capability()}"
+            " kernels: ATEN_CPU_CAPABILITY was read before ganpipe.cpu.pin() set it"
+        )
+
+
+def numerics_record(
+    determinism: DeterminismParams, devices: DevicesParams, device: torch.device
+) -> dict[str, object]:
+    """What decides the bits of this process's results besides params, data and code.
+
+    Kept with the model files and in the run fingerprint: a checkpoint is resumed only
+    under the same numerics. In the portable mode it holds nothing machine-specific, so
+    the model files of two AVX2 machines stay byte-identical; ``native`` adds the CPU
+    model and flags (its bits depend on them), a CUDA run the GPU model and library versions.
+    """
+    record: dict[str, object] = {
+        "cpu_isa": determinism.cpu_isa,
+        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "mkldnn": torch.backends.mkldnn.enabled,
+        "env": cpu.env_in_effect(),
+        "cpu_threads": devices.cpu_threads,
+        "torch": torch.__version__,
+        "device": device.type,
+    }
+    if determinism.cpu_isa == "native":
+        record["cpu"] = cpu.cpu_info()
+    if device.type == "cuda":
+        record["gpu"] = torch.cuda.get_device_name(device)
+        record["cuda"] = torch.version.cuda
+        record["cudnn"] = torch.backends.cudnn.version()
+    return record
+
+
+def machine_record() -> dict[str, object]:
+    """Where this process runs: CPU, C library and versions (a record, not part of the bits)."""
+    return {
+        "cpu": cpu.cpu_info(),
+        "cpu_count": os.cpu_count(),
+        "libc": cpu.libc_version(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
 
 
 def autocast_factory(precision: str, device: torch.device) -> Callable[[], AbstractContextManager]:
