@@ -40,7 +40,8 @@ PORTABLE_ENV = {
     "MKL_DYNAMIC": "FALSE",
     "ONEDNN_MAX_CPU_ISA": "AVX2",
 }
-#: Variables whose values change CPU bits; recorded with every run, whatever the mode.
+#: Variables :func:`pin` may set. The thread count is recorded as ``devices.cpu_threads``
+#: (torch.set_num_threads decides it); the others are recorded as they are, whatever the mode.
 NUMERICS_ENV = (*PORTABLE_ENV, "OMP_NUM_THREADS")
 #: CPU flags the portable mode needs: ATen's AVX2 kernels and MKL's AVX2 branch use FMA too.
 REQUIRED_FLAGS = ("avx2", "fma")
@@ -152,8 +153,8 @@ def pinned_mode() -> str | None:
 
 
 def env_in_effect() -> dict[str, str | None]:
-    """The values of :data:`NUMERICS_ENV` in this process (None: unset)."""
-    return {name: os.environ.get(name) for name in NUMERICS_ENV}
+    """The values of the :data:`PORTABLE_ENV` variables in this process (None: unset)."""
+    return {name: os.environ.get(name) for name in PORTABLE_ENV}
 
 
 def libc_version() -> str:

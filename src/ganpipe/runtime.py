@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -10,6 +12,7 @@ import random
 import resource
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -122,11 +125,66 @@ def apply_cpu_numerics(determinism: DeterminismParams) -> None:
         )
     torch.set_flush_denormal(False)
     torch.backends.mkldnn.enabled = mode == "native"
-    if mode == "avx2" and torch.backends.cpu.get_cpu_capability() != "AVX2":
+    if mode == "native":
+        return
+    capability, mkl = torch.backends.cpu.get_cpu_capability(), mkl_cbwr()
+    if capability != "AVX2" or mkl not in (None, cpu.PORTABLE_ENV["MKL_CBWR"]):
         raise ValueError(
-            f"determinism.cpu_isa=avx2 but ATen runs its {torch.backends.cpu.get_cpu_capability()}"
-            " kernels: ATEN_CPU_CAPABILITY was read before ganpipe.cpu.pin() set it"
+            f"determinism.cpu_isa=avx2 but ATen runs its {capability} kernels and MKL's "
+            f"reproducibility mode is {mkl}: the libraries read their settings before "
+            "ganpipe.cpu.pin() set them"
         )
+
+
+#: MKL's conditional-numerical-reproducibility branches (``mkl_cbwr_get``'s values,
+#: mkl_service.h) and its strict flag.
+MKL_CBWR_BRANCHES = {
+    1: "OFF",
+    2: "AUTO",
+    3: "COMPATIBLE",
+    4: "SSE2",
+    6: "SSSE3",
+    7: "SSE4_1",
+    8: "SSE4_2",
+    9: "AVX",
+    10: "AVX2",
+    12: "AVX512",
+    14: "AVX512_E1",
+}
+MKL_CBWR_STRICT = 0x10000
+
+
+@functools.cache
+def _mkl() -> ctypes.CDLL | None:
+    """torch's statically linked MKL, where its service functions are visible (x86 Linux)."""
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        lib.mkl_serv_cbwr_get.restype = ctypes.c_int
+        lib.mkl_serv_cbwr_get.argtypes = [ctypes.c_int]
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+def mkl_cbwr() -> str | None:
+    """MKL's reproducibility mode as MKL itself reports it (``AVX2,STRICT``; ``OFF``: none),
+    or None where torch carries no MKL whose state can be read."""
+    lib = _mkl()
+    if lib is None:
+        return None
+    value = lib.mkl_serv_cbwr_get(-1)  # MKL_CBWR_ALL
+    branch = MKL_CBWR_BRANCHES.get(value & 0xFFFF, str(value & 0xFFFF))
+    return f"{branch},STRICT" if value & MKL_CBWR_STRICT else branch
+
+
+def mkl_version() -> str | None:
+    """MKL's version string, or None (see :func:`mkl_cbwr`)."""
+    lib = _mkl()
+    if lib is None or not hasattr(lib, "MKL_Get_Version_String"):
+        return None
+    buffer = ctypes.create_string_buffer(256)
+    lib.MKL_Get_Version_String(buffer, len(buffer))
+    return buffer.value.decode(errors="replace").strip()
 
 
 def numerics_record(
@@ -143,6 +201,7 @@ def numerics_record(
         "cpu_isa": determinism.cpu_isa,
         "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "mkldnn": torch.backends.mkldnn.enabled,
+        "mkl_cbwr": mkl_cbwr(),
         "env": cpu.env_in_effect(),
         "cpu_threads": devices.cpu_threads,
         "torch": torch.__version__,
@@ -166,6 +225,7 @@ def machine_record() -> dict[str, object]:
         "python": platform.python_version(),
         "numpy": np.__version__,
         "torch": torch.__version__,
+        "mkl": mkl_version(),
         "cuda": torch.version.cuda,
         "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }

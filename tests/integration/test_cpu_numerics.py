@@ -78,10 +78,14 @@ def test_portable_bits_ignore_the_environment_native_bits_do_not(tmp_path, data_
     record = json.loads((tmp_path / "p2/measurements/train/machine.json").read_text())
     assert record["numerics"]["aten_cpu_capability"] == "AVX2"
     assert record["numerics"]["env"]["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert record["numerics"]["mkl_cbwr"] == "AVX2,STRICT"
 
     fast, _ = train(write_project(tmp_path / "n1", TINY, data_dir, **native), {})
     sse, _ = train(write_project(tmp_path / "n2", TINY, data_dir, **native), CAPPED)
     assert sse != fast  # native takes what the environment allows: the pin is what holds
+    record = json.loads((tmp_path / "n2/measurements/train/machine.json").read_text())
+    assert record["numerics"]["mkl_cbwr"] == "COMPATIBLE"  # recorded as it was
+    assert record["numerics"]["aten_cpu_capability"] == "DEFAULT"
 
     # The native run's checkpoints are not resumed in the portable mode: it says so, trains
     # from the start, and ends with the portable bits.

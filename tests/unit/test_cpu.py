@@ -79,3 +79,4 @@ def test_a_process_pinned_to_another_mode_is_refused():
     runtime.apply_cpu_numerics(DeterminismParams())
     assert torch.backends.cpu.get_cpu_capability() == "AVX2"
     assert torch.backends.mkldnn.enabled is False
+    assert runtime.mkl_cbwr() == "AVX2,STRICT"  # as MKL itself reports it
