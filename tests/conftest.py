@@ -17,6 +17,11 @@ import pytest
 import torch
 from PIL import Image
 
+from ganpipe import runtime
+
+# ... and with oneDNN off from the start, whatever order the tests run in.
+runtime.apply_cpu_numerics(Params().determinism)
+
 REPO = Path(__file__).resolve().parents[1]
 # `import prefect` (the flows) creates ~/.prefect unless PREFECT_HOME is set; `make test`
 # sets it, a bare `pytest` gets the same place. Prefect makes only the last folder.
