@@ -7,14 +7,16 @@ core count, MKL's BLAS and LAPACK by processor (and its thread count by the prob
 model trained on an AVX-512 machine therefore differs in every bit from one trained on an
 AVX2 machine (measured, see docs/reproducibility.md). ``determinism.cpu_isa`` chooses:
 
-- ``avx2`` (portable): convolutions run as ATen's own im2col + GEMM instead of oneDNN
+- ``portable``: convolutions run as ATen's own im2col + GEMM instead of oneDNN
   (``torch.backends.mkldnn.enabled = False``, set by :func:`ganpipe.runtime.configure_runtime`);
-  MKL uses its conditional-numerical-reproducibility branch for AVX2 in strict mode
-  (``MKL_CBWR=AVX2,STRICT``: the same bits on every CPU with AVX2, for a given thread
-  count) and exactly the threads it is given (``MKL_DYNAMIC=FALSE``); ATen's kernels, Sleef
-  transcendentals included, use their AVX2 build (``ATEN_CPU_CAPABILITY=avx2``); oneDNN, for
-  anything that still reaches it, stops at AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``). Every x86-64
-  CPU with AVX2 and FMA then computes the same bits.
+  MKL uses its conditional-numerical-reproducibility branch ``COMPATIBLE`` (SSE2 without the
+  approximate rcpps/rsqrtps; MKL's AVX2 branch exists for Intel processors only and falls
+  back to per-CPU dispatch elsewhere, so it cannot give an AMD machine Intel's bits) with
+  exactly the threads it is given (``MKL_DYNAMIC=FALSE``, ``OMP_DYNAMIC=FALSE``); ATen's
+  kernels, Sleef transcendentals included, use their AVX2 build
+  (``ATEN_CPU_CAPABILITY=avx2``); oneDNN, for anything that still reaches it, stops at AVX2
+  (``ONEDNN_MAX_CPU_ISA=AVX2``). Every x86-64 CPU with AVX2 and FMA then computes the same
+  bits.
 - ``native``: whatever this machine and its environment give (the fastest path, oneDNN's
   convolutions); the bits hold for this CPU model only.
 
@@ -33,17 +35,18 @@ from pathlib import Path
 
 from ganpipe.params import DeterminismParams, DevicesParams
 
-#: The environment of the portable mode (``determinism.cpu_isa: avx2``).
+#: The environment of the portable mode (``determinism.cpu_isa: portable``).
 PORTABLE_ENV = {
     "ATEN_CPU_CAPABILITY": "avx2",
-    "MKL_CBWR": "AVX2,STRICT",
+    "MKL_CBWR": "COMPATIBLE",
     "MKL_DYNAMIC": "FALSE",
+    "OMP_DYNAMIC": "FALSE",
     "ONEDNN_MAX_CPU_ISA": "AVX2",
 }
 #: Variables :func:`pin` may set. The thread count is recorded as ``devices.cpu_threads``
 #: (torch.set_num_threads decides it); the others are recorded as they are, whatever the mode.
 NUMERICS_ENV = (*PORTABLE_ENV, "OMP_NUM_THREADS")
-#: CPU flags the portable mode needs: ATen's AVX2 kernels and MKL's AVX2 branch use FMA too.
+#: CPU flags the portable mode needs: ATen's AVX2 kernels use FMA too.
 REQUIRED_FLAGS = ("avx2", "fma")
 #: The flags worth recording: the x86 vector levels that libraries dispatch on.
 SUMMARY_FLAGS = (
@@ -121,7 +124,7 @@ def numerics_env(cpu_isa: str, cpu_threads: int) -> dict[str, str]:
     variable set by the user (e.g. ``ONEDNN_MAX_CPU_ISA``) still applies, and is recorded.
     """
     env = {"OMP_NUM_THREADS": str(cpu_threads)}
-    if cpu_isa == "avx2":
+    if cpu_isa == "portable":
         env.update(PORTABLE_ENV)
     return env
 

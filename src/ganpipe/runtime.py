@@ -130,7 +130,7 @@ def apply_cpu_numerics(determinism: DeterminismParams) -> None:
     capability, mkl = torch.backends.cpu.get_cpu_capability(), mkl_cbwr()
     if capability != "AVX2" or mkl not in (None, cpu.PORTABLE_ENV["MKL_CBWR"]):
         raise ValueError(
-            f"determinism.cpu_isa=avx2 but ATen runs its {capability} kernels and MKL's "
+            f"determinism.cpu_isa=portable but ATen runs its {capability} kernels and MKL's "
             f"reproducibility mode is {mkl}: the libraries read their settings before "
             "ganpipe.cpu.pin() set them"
         )
@@ -167,7 +167,7 @@ def _mkl() -> ctypes.CDLL | None:
 
 
 def mkl_cbwr() -> str | None:
-    """MKL's reproducibility mode as MKL itself reports it (``AVX2,STRICT``; ``OFF``: none),
+    """MKL's reproducibility mode as MKL itself reports it (``COMPATIBLE``; ``OFF``: none),
     or None where torch carries no MKL whose state can be read."""
     lib = _mkl()
     if lib is None:
@@ -194,7 +194,7 @@ def numerics_record(
 
     Kept with the model files and in the run fingerprint: a checkpoint is resumed only
     under the same numerics. In the portable mode it holds nothing machine-specific, so
-    the model files of two AVX2 machines stay byte-identical; ``native`` adds the CPU
+    the model files of two machines stay byte-identical; ``native`` adds the CPU
     model and flags (its bits depend on them), a CUDA run the GPU model and library versions.
     """
     record: dict[str, object] = {

@@ -30,11 +30,11 @@ TINY = {
     "train": {"batch_size": 32, "kimg": 0.32, "snapshot_kimg": 1, "log_every_kimg": 0.16},
     "generate": {"grid_rows": 2},
 }
-#: What a hostile environment sets: lower ISAs for oneDNN and ATen, MKL's generic branch.
+#: What a hostile environment sets: lower ISAs for oneDNN and ATen, another MKL branch.
 CAPPED = {
     "ONEDNN_MAX_CPU_ISA": "SSE41",
     "ATEN_CPU_CAPABILITY": "default",
-    "MKL_CBWR": "COMPATIBLE",
+    "MKL_CBWR": "AVX2",
     "MKL_DYNAMIC": "TRUE",
 }
 
@@ -70,7 +70,7 @@ def train(root: Path, env: dict[str, str]) -> tuple[dict[str, str], str]:
 
 @pytest.mark.slow
 def test_portable_bits_ignore_the_environment_native_bits_do_not(tmp_path, data_dir):
-    portable = {"determinism": {"cpu_isa": "avx2"}}
+    portable = {"determinism": {"cpu_isa": "portable"}}
     native = {"determinism": {"cpu_isa": "native"}}
     plain, _ = train(write_project(tmp_path / "p1", TINY, data_dir, **portable), {})
     capped, _ = train(write_project(tmp_path / "p2", TINY, data_dir, **portable), CAPPED)
@@ -78,20 +78,20 @@ def test_portable_bits_ignore_the_environment_native_bits_do_not(tmp_path, data_
     record = json.loads((tmp_path / "p2/measurements/train/machine.json").read_text())
     assert record["numerics"]["aten_cpu_capability"] == "AVX2"
     assert record["numerics"]["env"]["ONEDNN_MAX_CPU_ISA"] == "AVX2"
-    assert record["numerics"]["mkl_cbwr"] == "AVX2,STRICT"
+    assert record["numerics"]["mkl_cbwr"] == "COMPATIBLE"
 
     fast, _ = train(write_project(tmp_path / "n1", TINY, data_dir, **native), {})
     sse, _ = train(write_project(tmp_path / "n2", TINY, data_dir, **native), CAPPED)
     assert sse != fast  # native takes what the environment allows: the pin is what holds
     record = json.loads((tmp_path / "n2/measurements/train/machine.json").read_text())
-    assert record["numerics"]["mkl_cbwr"] == "COMPATIBLE"  # recorded as it was
+    assert record["numerics"]["mkl_cbwr"] == "AVX2"  # recorded as it was
     assert record["numerics"]["aten_cpu_capability"] == "DEFAULT"
 
     # The native run's checkpoints are not resumed in the portable mode: it says so, trains
     # from the start, and ends with the portable bits.
     again, err = train(write_project(tmp_path / "n1", TINY, data_dir, **portable), {})
     assert "holds a run of these same params made with other CPU/GPU numerics" in err, err
-    assert "cpu_isa: 'native' -> 'avx2'" in err
+    assert "cpu_isa: 'native' -> 'portable'" in err
     assert again == plain
 
 
