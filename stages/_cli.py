@@ -48,7 +48,9 @@ def pin_cpu() -> None:
     under torch read the pinned variables once, when they load. Invalid params or a CPU
     that cannot run the mode exit with status 2 and one ``error:`` message, as :func:`run`.
     """
-    args, _ = _parser(add_help=False).parse_known_args()  # --help is run()'s to answer
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        return  # run() prints the help; nothing is computed, nothing needs pinning
+    args, _ = _parser(add_help=False).parse_known_args()
     try:
         params = load_params(args.params)
         cpu.pin(params.determinism, params.devices)
