@@ -117,3 +117,34 @@ def test_a_run_of_other_numerics_is_named_not_resumed(tmp_path, monkeypatch, cap
         train_stage.checkpoint_dir(other_params, "d" * 64, mine)
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
     assert sorted(os.listdir(old_dir)) == ["ckpt-000000000320.pt", "run.json"]  # left alone
+
+
+#: Put first on a stage's PYTHONPATH: this machine's CPU reads as one without AVX2.
+OLD_CPU = """
+import ganpipe.cpu
+ganpipe.cpu.cpu_info = lambda *args: {"arch": "x86_64", "model": "Old Xeon", "flags": ["avx"]}
+"""
+
+
+def test_a_stage_on_a_cpu_without_avx2_stops_with_the_fix(tmp_path, data_dir):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site/sitecustomize.py").write_text(OLD_CPU)
+    root = write_project(tmp_path / "p", TINY, data_dir)
+    env = stage_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), env["PYTHONPATH"]])
+    for stage in ("train", "featurenet", "generate", "evaluate"):
+        result = subprocess.run(
+            [sys.executable, "-m", f"stages.{stage}"], cwd=root, env=env, capture_output=True
+        )
+        err = result.stderr.decode()
+        assert result.returncode == 2, (stage, err[-2000:])
+        assert err.startswith(
+            "error: determinism.cpu_isa=portable needs a CPU with avx2 and fma, but this one "
+            "(Old Xeon) lacks avx2, fma; set determinism.cpu_isa: native"
+        ), (stage, err)
+        assert "Traceback" not in err
+    native = write_project(tmp_path / "n", TINY, data_dir, determinism={"cpu_isa": "native"})
+    result = subprocess.run(
+        [sys.executable, "-m", "stages.train"], cwd=native, env=env, capture_output=True
+    )
+    assert result.returncode == 0, result.stderr.decode()[-2000:]  # native runs anywhere
