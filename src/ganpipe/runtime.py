@@ -204,7 +204,7 @@ def numerics_record(
         "mkl_cbwr": mkl_cbwr(),
         "env": cpu.env_in_effect(),
         "cpu_threads": devices.cpu_threads,
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # a str subclass torch.load(weights_only) refuses
         "device": device.type,
     }
     if determinism.cpu_isa == "native":
@@ -224,7 +224,7 @@ def machine_record() -> dict[str, object]:
         "libc": cpu.libc_version(),
         "python": platform.python_version(),
         "numpy": np.__version__,
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # a str subclass torch.load(weights_only) refuses
         "mkl": mkl_version(),
         "cuda": torch.version.cuda,
         "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
