@@ -53,7 +53,7 @@ test: setup lint
 
 # The inner loop: everything but the `slow` tests (real dvc, torchrun, servers, browser).
 test-fast: setup
-	python -m pytest -m "not slow"
+	python -m pytest -m "not slow" -n 2 --dist loadgroup
 
 lint: setup
 	ruff check .
