@@ -32,6 +32,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from ganpipe import cpu
+from ganpipe.params import DeterminismParams, DevicesParams
+
+#: The benchmark times the fastest CPU path (as its recorded results): the native mode,
+#: pinned before torch loads (configure_runtime checks it).
+NATIVE = {"cpu_isa": "native"}
+cpu.pin(DeterminismParams(**NATIVE), DevicesParams())
+
 import numpy as np
 import torch
 from torch import nn
@@ -63,6 +71,7 @@ def run_config(config: dict) -> dict:
             "precision": config["precision"],
             "data": {"image_size": size, "channels": channels},
             "devices": {"cpu_threads": config["threads"]},
+            "determinism": NATIVE,
             "model": {"g_width": width, "d_width": width, "norm": "batch"},
             "train": {
                 "strategy": config["strategy"],
@@ -178,6 +187,7 @@ def paired(steps: int, threads: int, warmup: int = 2) -> dict:
                     "precision": precision,
                     "data": {"image_size": 64, "channels": 3},
                     "devices": {"cpu_threads": threads},
+                    "determinism": NATIVE,
                     "model": {"g_width": 64, "d_width": 64, "norm": "batch"},
                     "train": {"strategy": name, "batch_size": 64},
                 }
@@ -323,6 +333,7 @@ def ganpipe_run(db: Path, steps: int, log_dir: Path) -> float:
             "seed": 0,
             "data": {"image_size": 64, "channels": 3},
             "devices": {"cpu_threads": torch.get_num_threads()},
+            "determinism": NATIVE,
             "model": {"g_width": 64, "d_width": 64},
             "train": {
                 "batch_size": 64,

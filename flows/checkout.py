@@ -43,6 +43,11 @@ from ganpipe.params import ParamsError, parse_params, read_yaml
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 #: Where run checkouts live, relative to the project.
 CHECKOUTS = Path(".dvc") / "tmp" / "flows"
+#: The train stage's checkpoints (stages/train.py CHECKPOINTS), shared with every checkout.
+CHECKPOINTS_DIR = Path("checkpoints")
+#: What the stages measured (timings, memory; stages/train.py MEASUREMENTS_DIR): metrics
+#: files outside DVC's outputs, read beside the ones ``dvc metrics show`` reports.
+MEASURED_METRICS = ("measurements/train/metrics.json",)
 #: Lines of a failed command's output kept for its error message.
 TAIL_LINES = 40
 #: Output of a failed DVC command that an identical retry may not see: a held repository
@@ -216,7 +221,7 @@ def checkout(project: Path, commit: str, name: str) -> Iterator[Path]:
         if local.exists():  # remotes and their credentials
             shutil.copyfile(local, path / ".dvc" / "config.local")
         run(["dvc", "config", "--local", "cache.dir", str(Path(project, cache).resolve())], path)
-        share_persisted(project, path)
+        share_checkpoints(project, path)
         yield path
     except BaseException as exc:
         if not isinstance(exc, Exception):  # cancelled (SIGTERM from Prefect's runner), ^C
@@ -228,25 +233,18 @@ def checkout(project: Path, commit: str, name: str) -> Iterator[Path]:
             _checkouts.discard(path)
 
 
-def share_persisted(project: Path, path: Path) -> None:
-    """Hard-link the project's ``persist: true`` outputs (checkpoints) into the checkout.
+def share_checkpoints(project: Path, path: Path) -> None:
+    """Hard-link the project's training checkpoints (``checkpoints/``) into the checkout.
 
-    DVC's run cache skips stages with persisted outputs, so without them train would start
-    over in every fresh checkout; with them it resumes its run (same bytes, by the
-    checkpoint contract). Checkpoints are replaced by rename, never written in place, so the
-    links never change the project's files.
+    They are no DVC output (dvc.lock must not depend on which runs a workspace holds), so
+    a fresh checkout has none; linked, a train stage that DVC reruns there resumes its run
+    (same bytes, by the checkpoint contract) instead of starting over. Checkpoints are
+    replaced by rename, never written in place, so the links never change the project's
+    files.
     """
-    stages = (yaml.safe_load((path / "dvc.yaml").read_text()) or {}).get("stages") or {}
-    for body in stages.values():
-        for entry in body.get("outs") or []:
-            for name, options in entry.items() if isinstance(entry, Mapping) else []:
-                source = project / name
-                if (
-                    (options or {}).get("persist")
-                    and source.is_dir()
-                    and not (path / name).exists()
-                ):
-                    shutil.copytree(source, path / name, copy_function=os.link)
+    source = project / CHECKPOINTS_DIR
+    if source.is_dir() and not (path / CHECKPOINTS_DIR).exists():
+        shutil.copytree(source, path / CHECKPOINTS_DIR, copy_function=os.link)
 
 
 def remove_checkout(path: Path) -> None:

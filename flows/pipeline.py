@@ -86,12 +86,18 @@ def run_stage(path: str, stage: str) -> str:
 def publish_run(root: Path, project: Path, record: dict[str, Any]) -> dict[str, Any]:
     """Publish the run's record as Prefect artifacts; return it with the metrics added.
 
-    Artifacts: ``pipeline-metrics`` (a table of every metric and param, overridden params
-    marked) and ``pipeline-run`` (markdown: the experiment, the stages, links to the
-    samples and the plots page, kept in ``.state/runs/RUN/`` of the project).
+    Artifacts: ``pipeline-metrics`` (a table of every metric, measurements included, and
+    every param, overridden params marked) and ``pipeline-run`` (markdown: the experiment,
+    the stages, links to the samples and the plots page, kept in ``.state/runs/RUN/`` of
+    the project).
     """
     shown = json.loads(checkout.run(["dvc", "metrics", "show", "--json"], root))
     files = {p: e.get("data") or {} for p, e in (shown.get("", {}).get("data") or {}).items()}
+    # Measurements (step time, memory) are not DVC outputs; a stage restored from the run
+    # cache measured nothing in this checkout.
+    for name in checkout.MEASURED_METRICS:
+        if (root / name).is_file():
+            files[name] = json.loads((root / name).read_text(encoding="utf-8"))
     params = read_yaml((root / "params.yaml").read_text(encoding="utf-8")) or {}
     rows = [
         {"kind": "metric", "source": source, "key": key, "value": value}

@@ -1,8 +1,10 @@
 """report: the training curves, progress grids and samples in one HTML page that works offline.
 
 Inputs: the plots of dvc.yaml as the last `dvc repro` left them (``metrics/train/plots/``,
-``samples/grid.png``): the curves as dvc.yaml's top-level ``plots`` group and label them
-(template ``reports/line_template.json``), the images as the stages declare them;
+the measured curves in ``measurements/train/``, ``samples/grid.png``): the curves as
+dvc.yaml's top-level ``plots`` group and label them (template
+``reports/line_template.json``; a group without data here is left out), the images as the
+stages declare them;
 ``reports/template.html``; the vega, vega-lite and vega-embed bundles
 in ``reports/node_modules`` (``npm ci`` from ``reports/package-lock.json``, run by
 ``make setup``).
@@ -63,14 +65,12 @@ def plot_targets(repo: Path) -> list[str]:
     again, titled by its path.
     """
     spec = yaml.safe_load((repo / "dvc.yaml").read_text(encoding="utf-8")) or {}
-    top = {}
-    for entry in spec.get("plots") or []:
-        name, props = next(iter(entry.items())) if isinstance(entry, dict) else (entry, None)
-        top[name] = (props or {}).get("y") if isinstance(props, dict) else None
+    top = top_level_plots(spec)
     drawn = {os.path.normpath(f) for y in top.values() if isinstance(y, dict) for f in y}
     # Targets are regexes, but DVC normalises them as paths first (a backslash breaks them):
     # "$" anchors them; an unescaped "." matching any character is harmless here.
-    targets = [f"{name}$" for name in top]
+    missing = set(groups_without_data(repo))
+    targets = [f"{name}$" for name in top if name not in missing]
     for stage in (spec.get("stages") or {}).values():
         for path in _paths(stage.get("plots")):
             inside = sorted(f for f in drawn if f.startswith(os.path.normpath(path) + os.sep))
@@ -83,6 +83,29 @@ def plot_targets(repo: Path) -> list[str]:
                 if os.path.normpath(relative) not in drawn and curve.name not in LEFT_OUT:
                     targets.append(relative)  # DVC reads a target that is a file as-is
     return targets
+
+
+def top_level_plots(spec: dict) -> dict[str, object]:
+    """Name -> ``y`` (file -> column, or None) of the top-level plots of a dvc.yaml."""
+    top = {}
+    for entry in spec.get("plots") or []:
+        name, props = next(iter(entry.items())) if isinstance(entry, dict) else (entry, None)
+        top[name] = (props or {}).get("y") if isinstance(props, dict) else None
+    return top
+
+
+def groups_without_data(repo: Path) -> list[str]:
+    """Top-level plots none of whose files exist here, which the page leaves out.
+
+    The measured curves (``measurements/``: throughput, step time, memory) are no stage's
+    output: a clone, or a train stage restored from DVC's cache, has measured nothing.
+    """
+    spec = yaml.safe_load((repo / "dvc.yaml").read_text(encoding="utf-8")) or {}
+    return [
+        name
+        for name, y in top_level_plots(spec).items()
+        if isinstance(y, dict) and not any((repo / path).is_file() for path in y)
+    ]
 
 
 def find_bundles(node_modules: Path) -> dict[str, Path]:
@@ -171,6 +194,13 @@ def main() -> None:
     except ReportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    left_out = groups_without_data(Path("."))
+    if left_out:
+        print(
+            f"note: no data for {', '.join(left_out)} (measured by a train run on this "
+            "machine, see measurements/; a stage restored from DVC's cache measures nothing)",
+            file=sys.stderr,
+        )
     print(f"plots page: {page.as_uri()}")
 
 

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from ganpipe import cpu
 from ganpipe.data.convert import BadImageError
 from ganpipe.data.sources import SourceError
 from ganpipe.data.store import DatasetError
@@ -29,20 +30,42 @@ USER_ERRORS = (
 )
 
 
-def run(main: Callable[[Params], None], description: str) -> None:
-    """Parse ``--params``, load and validate them, then call ``main``.
-
-    User errors (bad params, unreadable data, a diverged run) print one message without a
-    traceback and exit with status 2, so DVC and Prefect show the cause.
-    """
-    parser = argparse.ArgumentParser(description=description)
+def _parser(description: str | None = None, add_help: bool = True) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description, add_help=add_help)
     parser.add_argument(
         "--params",
         type=Path,
         default=Path("params.yaml"),
         help="params file (default: params.yaml)",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def pin_cpu() -> None:
+    """Pin the CPU numerics of ``determinism.cpu_isa`` (:func:`ganpipe.cpu.pin`).
+
+    A stage calls this when run as a program, before its imports load torch: the libraries
+    under torch read the pinned variables once, when they load. Invalid params or a CPU
+    that cannot run the mode exit with status 2 and one ``error:`` message, as :func:`run`.
+    """
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        return  # run() prints the help; nothing is computed, nothing needs pinning
+    args, _ = _parser(add_help=False).parse_known_args()
+    try:
+        params = load_params(args.params)
+        cpu.pin(params.determinism, params.devices)
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run(main: Callable[[Params], None], description: str) -> None:
+    """Parse ``--params``, load and validate them, then call ``main``.
+
+    User errors (bad params, unreadable data, a diverged run) print one message without a
+    traceback and exit with status 2, so DVC and Prefect show the cause.
+    """
+    args = _parser(description).parse_args()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )

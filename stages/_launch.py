@@ -19,8 +19,10 @@ def launch(params: Params, module: str) -> int:
 
     The workers' environment is fixed here, before any of them imports torch:
     ``CUDA_VISIBLE_DEVICES`` (devices.gpus), ``OMP_NUM_THREADS`` (devices.cpu_threads) and
-    ``CUBLAS_WORKSPACE_CONFIG``. One node uses ``--standalone``; several use the c10d
-    rendezvous at devices.rdzv_endpoint. ``--max-restarts 0``: a failed rank fails the run.
+    ``CUBLAS_WORKSPACE_CONFIG``; they inherit the CPU pins of this process
+    (:func:`ganpipe.cpu.pin`) and pin again themselves. One node uses ``--standalone``;
+    several use the c10d rendezvous at devices.rdzv_endpoint. ``--max-restarts 0``: a failed
+    rank fails the run.
     """
     devices = params.devices
     env = {**os.environ, "OMP_NUM_THREADS": str(devices.cpu_threads)}

@@ -13,6 +13,11 @@ torchrun and each process generates its share of the samples).
 
 from __future__ import annotations
 
+from stages import _cli
+
+if __name__ == "__main__":
+    _cli.pin_cpu()  # before the imports below load torch: its libraries read the pins once
+
 import json
 import logging
 import time
@@ -20,12 +25,11 @@ from pathlib import Path
 
 import torch
 
-from ganpipe import dist, evaluation
+from ganpipe import dist, evaluation, runtime
 from ganpipe.checkpoint import write_bytes_atomic
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.store import check_pair, read_meta
 from ganpipe.params import Params
-from stages import _cli
 from stages._cli import TRAIN_LMDB, VAL_LMDB
 from stages._launch import join
 from stages.generate import load_generator
@@ -59,6 +63,7 @@ def main(params: Params) -> None:
     context = join(params, "stages.evaluate")
     try:
         began = time.perf_counter()
+        numerics = runtime.numerics_record(params.determinism, params.devices, context.device)
         extractor = extractor_for(params)
         g, model = load_generator(Path("models/g_ema.pt"))
         n, world = cfg.num_samples, context.world_size
@@ -83,6 +88,7 @@ def main(params: Params) -> None:
                 cfg.batch_size,
                 context.device,
                 CACHE,
+                numerics=json.dumps(numerics, sort_keys=True),
             )
             metrics = evaluation.all_metrics(
                 real, torch.cat(shards), cfg.kid_subsets, cfg.kid_subset_size, cfg.pr_k, cfg.seed

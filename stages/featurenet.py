@@ -10,6 +10,11 @@ Command: ``python -m stages.featurenet``
 
 from __future__ import annotations
 
+from stages import _cli
+
+if __name__ == "__main__":
+    _cli.pin_cpu()  # before the imports below load torch: its libraries read the pins once
+
 import hashlib
 import json
 from pathlib import Path
@@ -20,7 +25,6 @@ from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.store import check_pair
 from ganpipe.featurenet import record, train_featurenet
 from ganpipe.params import Params
-from stages import _cli
 from stages._cli import TRAIN_LMDB, VAL_LMDB
 
 WEIGHTS = Path("models/featurenet.pt")

@@ -12,6 +12,11 @@ Command: ``python -m stages.generate``
 
 from __future__ import annotations
 
+from stages import _cli
+
+if __name__ == "__main__":
+    _cli.pin_cpu()  # before the imports below load torch: its libraries read the pins once
+
 import shutil
 from pathlib import Path
 
@@ -21,7 +26,6 @@ from ganpipe.files import clear_leftovers, locked_dir
 from ganpipe.nets import DcganGenerator
 from ganpipe.params import ModelParams, Params
 from ganpipe.sampling import export_pngs, interpolation_strips, sample_grid, save_png
-from stages import _cli
 
 SAMPLES = Path("samples")
 

@@ -3,9 +3,12 @@
 Inputs: params ``seed``, ``precision``, ``data``, ``devices``, ``determinism``, ``model``,
 ``train``, ``generate.grid_rows``; ``data/train.lmdb``.
 Outputs: ``models/generator.pt``, ``models/discriminator.pt``, ``models/g_ema.pt`` (each
-written atomically); the training log ``metrics/train`` (dvclive: metrics.json, loss
-curves, progress grids); full-state checkpoints in ``checkpoints/<run>/`` (a persistent
-output: a rerun resumes from the newest valid one).
+written atomically, with the numerics they were computed with); the training log
+``metrics/train`` (dvclive: metrics.json, loss curves, progress grids).
+Beside the outputs (git-ignored, not in dvc.lock: they are not reproducible bytes): the
+measured curves ``perf/*`` and where the run ran (``machine.json``) in
+``measurements/train``; full-state checkpoints in ``checkpoints/<run>/`` (a rerun resumes
+from the newest valid one of its run).
 Command: ``python -m stages.train``
 """
 
@@ -13,8 +16,12 @@ from __future__ import annotations
 
 import os
 
+from stages import _cli
+
 # cuBLAS reads this when CUDA initialises; it must be set before torch touches the GPU.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+if __name__ == "__main__":
+    _cli.pin_cpu()  # before the imports below load torch: its libraries read the pins once
 
 import contextlib
 import json
@@ -26,12 +33,11 @@ from pathlib import Path
 import numpy as np
 from dvclive import Live
 
-from ganpipe import dist
+from ganpipe import dist, runtime
 from ganpipe.checkpoint import run_fingerprint, save_atomic, write_bytes_atomic
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.loop import TrainingInterrupted, train
 from ganpipe.params import Params
-from stages import _cli
 from stages._cli import TRAIN_LMDB
 from stages._launch import join
 
@@ -39,44 +45,94 @@ log = logging.getLogger("stages.train")
 MODELS = Path("models")
 CHECKPOINTS = Path("checkpoints")
 LOG_DIR = "metrics/train"
+#: What the run measured rather than computed (timings, memory) and where it ran: outside
+#: the stage's outputs (git-ignored), so that dvc.lock holds only reproducible bytes.
+MEASUREMENTS_DIR = "measurements/train"
+MEASURED_PREFIX = "perf/"
+
+
+def open_log(directory: str) -> Live:
+    """A dvclive log in ``directory``, cleared first (no dvc.yaml edits, no experiments)."""
+    return Live(directory, dvcyaml=None, save_dvc_exp=False, report=None)
 
 
 class DvcliveLogger:
-    """The loop's logger, writing dvclive files (no dvc.yaml edits, no experiment saving)."""
+    """The loop's logger, writing dvclive files: the computed curves to ``live``, the
+    measured ``perf/*`` ones to ``measured``."""
 
-    def __init__(self, live: Live):
-        self.live = live
+    def __init__(self, live: Live, measured: Live):
+        self.live, self.measured = live, measured
 
     def log_scalars(self, images_seen: int, scalars: dict[str, float]) -> None:
-        self.live.step = images_seen
-        for name, value in scalars.items():
-            self.live.log_metric(name, value)
-        self.live.make_summary()
+        for log_, keep in ((self.live, False), (self.measured, True)):
+            log_.step = images_seen
+            for name, value in scalars.items():
+                if name.startswith(MEASURED_PREFIX) == keep:
+                    log_.log_metric(name, value)
+            log_.make_summary()
 
     def log_grid(self, images_seen: int, grid: np.ndarray) -> None:
         self.live.log_image(f"progress/{images_seen:09d}.png", grid)
 
 
-def model_record(params: Params, net: str, state_dict: dict) -> dict:
-    """What a model file holds: enough to rebuild the network without params.yaml."""
+def model_record(params: Params, net: str, state_dict: dict, numerics: dict) -> dict:
+    """What a model file holds: enough to rebuild the network without params.yaml, and the
+    numerics it was computed with (:func:`ganpipe.runtime.numerics_record`)."""
     return {
         "net": net,
         "model": params.model.model_dump(mode="json"),
         "image_size": params.data.image_size,
         "channels": params.data.channels,
+        "numerics": numerics,
         "state_dict": state_dict,
     }
 
 
-def checkpoint_dir(params: Params, dataset_sha256: str) -> tuple[Path, str]:
-    """``(checkpoints/<fingerprint>, fingerprint)``: each set of result-changing params,
-    training set and code has its own run.
+def _numerics_part(relevant: dict) -> dict:
+    return {**(relevant.get("numerics") or {}), "libc": relevant.get("libc")}
 
-    A checkpoint is therefore never reused by different training params or data, and
-    switching back to earlier params resumes their run. ``run.json`` says which params a
-    folder is for.
+
+def _params_part(relevant: dict) -> dict:
+    rest = {k: v for k, v in relevant.items() if k not in ("numerics", "libc")}
+    rest["determinism"] = {
+        k: v for k, v in (rest.get("determinism") or {}).items() if k != "cpu_isa"
+    }
+    return rest
+
+
+def other_numerics(relevant: dict, run_dir: Path) -> list[tuple[str, str]]:
+    """``(run, what differs)`` for each run in checkpoints/ that is this run (same params,
+    data and code) but for its numerics: made in the other ``determinism.cpu_isa``, with
+    another torch or C library, or natively on another kind of CPU or GPU."""
+    found = []
+    mine = _numerics_part(relevant)
+    for path in sorted(CHECKPOINTS.glob("*/run.json")):
+        try:
+            theirs = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if path.parent == run_dir or _params_part(theirs) != _params_part(relevant):
+            continue
+        old = _numerics_part(theirs)
+        changes = [
+            f"{key}: {old.get(key)!r} -> {mine.get(key)!r}"
+            for key in sorted(set(old) | set(mine))
+            if old.get(key) != mine.get(key)
+        ]
+        found.append((path.parent.name, "; ".join(changes)))
+    return found
+
+
+def checkpoint_dir(params: Params, dataset_sha256: str, numerics: dict) -> tuple[Path, str]:
+    """``(checkpoints/<fingerprint>, fingerprint)``: each set of result-changing params,
+    training set, numerics and code has its own run.
+
+    A checkpoint is therefore never reused by different training params, data or CPU
+    numerics, and switching back to earlier params resumes their run. ``run.json`` says
+    which params a folder is for. A run of the same params under other numerics is not
+    resumed (it would continue with other bits than it started with): the log says so.
     """
-    fingerprint, relevant = run_fingerprint(params, dataset_sha256)
+    fingerprint, relevant = run_fingerprint(params, dataset_sha256, numerics)
     run_dir = CHECKPOINTS / fingerprint[:16]
     others = [p.name for p in CHECKPOINTS.glob("*") if p.is_dir() and p != run_dir]
     if others and not list(run_dir.glob("ckpt-*.pt")):
@@ -87,6 +143,17 @@ def checkpoint_dir(params: Params, dataset_sha256: str) -> tuple[Path, str]:
             CHECKPOINTS,
             ", ".join(sorted(others)),
         )
+        for other, changes in other_numerics(relevant, run_dir):
+            log.warning(
+                "checkpoints/%s holds a run of these same params made with other CPU/GPU "
+                "numerics (%s); it is not resumed, since its bits would differ from what this "
+                "machine computes: training starts from the beginning. To continue that run, "
+                "use the numerics it records (determinism.cpu_isa, the same torch, and for "
+                "native the same CPU model); or delete checkpoints/%s",
+                other,
+                changes,
+                other,
+            )
     run_dir.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(
         json.dumps(relevant, indent=2, sort_keys=True).encode(), run_dir / "run.json"
@@ -119,20 +186,33 @@ def main(params: Params) -> None:
                 f"data.image_size={params.data.image_size}, "
                 f"data.channels={params.data.channels}; run `dvc repro prepare`"
             )
+        numerics = runtime.numerics_record(params.determinism, params.devices, context.device)
         # Only rank 0 writes: logs, images and models. The others wait at the barrier.
-        run = checkpoint_dir(params, dataset.meta["content_sha256"]) if context.is_main else None
+        run = (
+            checkpoint_dir(params, dataset.meta["content_sha256"], numerics)
+            if context.is_main
+            else None
+        )
         run_dir, fingerprint = context.broadcast_object(run)
         # The log starts afresh and the loop writes the resumed run's records again from
         # its checkpoint: dvclive's own files are not written atomically, a killed run can
         # leave a truncated metrics.json, and DVC clears the log before rerunning the stage.
-        live = (
-            Live(LOG_DIR, dvcyaml=None, save_dvc_exp=False, report=None)
-            if context.is_main
-            else contextlib.nullcontext()
-        )
+        live = open_log(LOG_DIR) if context.is_main else contextlib.nullcontext()
+        measured = open_log(MEASUREMENTS_DIR) if context.is_main else contextlib.nullcontext()
         stop = StopRequest()
-        with live:
-            logger = DvcliveLogger(live) if context.is_main else None
+        with live, measured:
+            logger = DvcliveLogger(live, measured) if context.is_main else None
+            if context.is_main:
+                manifest = {
+                    "run": Path(run_dir).name,
+                    "numerics": numerics,
+                    "machine": runtime.machine_record(),
+                    "world_size": context.world_size,
+                }
+                write_bytes_atomic(
+                    (json.dumps(manifest, indent=2) + "\n").encode(),
+                    Path(MEASUREMENTS_DIR) / "machine.json",
+                )
             try:
                 result = train(
                     params,
@@ -158,7 +238,8 @@ def main(params: Params) -> None:
                 ("g_ema", result.g_ema.module),
             ):
                 kind = "discriminator" if name == "discriminator" else "generator"
-                save_atomic(model_record(params, kind, net.state_dict()), MODELS / f"{name}.pt")
+                record = model_record(params, kind, net.state_dict(), numerics)
+                save_atomic(record, MODELS / f"{name}.pt")
         context.barrier()
     finally:
         dist.teardown(context)

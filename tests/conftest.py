@@ -6,10 +6,22 @@ import os
 import sys
 from pathlib import Path
 
+from ganpipe import cpu
+from ganpipe.params import Params
+
+# In-process tests compute in the default (portable) CPU mode, like the stages: pinned
+# before anything loads torch (configure_runtime refuses a process that was not).
+cpu.pin(Params().determinism, Params().devices)
+
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+
+from ganpipe import runtime
+
+# ... and with oneDNN off from the start, whatever order the tests run in.
+runtime.apply_cpu_numerics(Params().determinism)
 
 REPO = Path(__file__).resolve().parents[1]
 # `import prefect` (the flows) creates ~/.prefect unless PREFECT_HOME is set; `make test`

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ganpipe import cpu
+
 log = logging.getLogger(__name__)
 
 
@@ -62,18 +64,16 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> Any:
 
 # --- full-state training checkpoints ---------------------------------------------------
 
-#: Params that do not change the trained bits; a checkpoint survives changes to them.
-NEUTRAL_KEYS = {
-    "train": {
-        "kimg",
-        "checkpoint_kimg",
-        "keep_checkpoints",
-        "snapshot_kimg",
-        "log_every_kimg",
-        "num_workers",
-    },
-    "devices": {"gpus", "node_rank", "rdzv_endpoint", "timeout_s"},
-    "generate": {"seed"},
+#: Training params that do not change the trained bits; a checkpoint survives changes to
+#: them: the length of training (a run extended with a larger ``kimg`` resumes from its last
+#: checkpoint), the intervals and worker processes.
+NEUTRAL_TRAIN_KEYS = {
+    "kimg",
+    "checkpoint_kimg",
+    "keep_checkpoints",
+    "snapshot_kimg",
+    "log_every_kimg",
+    "num_workers",
 }
 CHECKPOINT_FORMAT = 2
 #: A checkpoint file is this line, then ``torch.save``'s bytes. torch's zip reader does not
@@ -121,21 +121,44 @@ def source_digest(source: str) -> str:
     return hashlib.sha256(ast.dump(tree, annotate_fields=False).encode()).hexdigest()
 
 
-def run_fingerprint(params: Any, dataset_sha256: str = "") -> tuple[str, dict[str, Any]]:
+def run_fingerprint(
+    params: Any, dataset_sha256: str, numerics: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
     """``(sha256, what it covers)`` of everything that changes the trained bits.
 
-    That is the params (training length, intervals, worker counts and addresses left out:
-    a run extended with a larger ``train.kimg`` resumes from its last checkpoint), the
-    training set's content hash (``dataset_sha256``: new images are a new run), and the
-    library's code and torch version (after a code change DVC reruns the stage, and it
-    must train with the new code rather than resume the old run).
+    Covered: ``seed``, ``precision``, the training set (its content hash ``dataset_sha256``,
+    and ``data.image_size`` / ``data.channels``, which shape the networks), the world size
+    and collective backend, ``determinism``, ``model``, ``train`` but
+    :data:`NEUTRAL_TRAIN_KEYS`, ``generate.grid_rows`` (the progress grids of the run's log
+    are that size: a resumed run must log what an uninterrupted one logs), the
+    ``numerics`` of :func:`ganpipe.runtime.numerics_record` (device type, CPU mode and the
+    levels in use, threads, torch version; the CPU model in the native mode), the C
+    library (its libm computes Python's float math) and the library's code.
+
+    Not covered, so a change resumes the run: the other ``data`` keys (the content hash
+    stands for them), GPU indices, node rank, rendezvous address and timeout, and the
+    ``generate`` (but ``grid_rows``), ``featurenet`` and ``eval`` sections, which other
+    stages read.
     """
-    relevant = params.model_dump(mode="json")
-    for section, keys in NEUTRAL_KEYS.items():
-        relevant[section] = {k: v for k, v in relevant[section].items() if k not in keys}
-    relevant["devices"]["world_size"] = params.devices.world_size
-    relevant["dataset_sha256"] = dataset_sha256
-    relevant["code_sha256"] = code_digest()
+    devices = params.devices
+    backend = devices.backend
+    if backend == "auto":
+        backend = "nccl" if numerics["device"] == "cuda" else "gloo"
+    train = params.train.model_dump(mode="json")
+    relevant = {
+        "seed": params.seed,
+        "precision": params.precision,
+        "data": {"image_size": params.data.image_size, "channels": params.data.channels},
+        "dataset_sha256": dataset_sha256,
+        "devices": {"world_size": devices.world_size, "backend": backend},
+        "determinism": params.determinism.model_dump(mode="json"),
+        "model": params.model.model_dump(mode="json"),
+        "train": {k: v for k, v in train.items() if k not in NEUTRAL_TRAIN_KEYS},
+        "generate": {"grid_rows": params.generate.grid_rows},
+        "numerics": numerics,
+        "libc": cpu.libc_version(),
+        "code_sha256": code_digest(),
+    }
     text = json.dumps(relevant, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest(), relevant
 

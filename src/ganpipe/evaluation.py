@@ -143,15 +143,20 @@ def real_features(
     device: torch.device,
     cache_dir: Path | None,
     progress: bool = True,
+    numerics: str = "",
 ) -> torch.Tensor:
-    """Features of every image of ``dataset``, cached by (dataset hash, extractor hash)."""
+    """Features of every image of ``dataset``, cached by (dataset hash, extractor hash,
+    ``numerics``: a digest of :func:`ganpipe.runtime.numerics_record`, since features
+    computed on other CPU code paths differ in their last bits)."""
     cache = None
+    key = {"dataset": dataset_sha256, "extractor": extractor.digest, "numerics": numerics}
     if cache_dir is not None:
-        cache = cache_dir / f"{dataset_sha256[:16]}-{extractor.digest[:16]}.pt"
+        digest = hashlib.sha256(numerics.encode()).hexdigest()[:8]
+        cache = cache_dir / f"{dataset_sha256[:16]}-{extractor.digest[:16]}-{digest}.pt"
         if cache.exists():
             try:
                 cached = load(cache)
-                if cached["dataset"] == dataset_sha256 and cached["extractor"] == extractor.digest:
+                if all(cached.get(k) == v for k, v in key.items()):
                     log.info("real features from cache %s", cache)
                     return cached["features"]
             except Exception as exc:  # a damaged cache is rebuilt, never trusted
@@ -166,9 +171,7 @@ def real_features(
         progress,
     )
     if cache is not None:
-        save_atomic(
-            {"dataset": dataset_sha256, "extractor": extractor.digest, "features": feats}, cache
-        )
+        save_atomic({**key, "features": feats}, cache)
     return feats
 
 

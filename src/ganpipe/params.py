@@ -150,6 +150,12 @@ class DeterminismParams(_Section):
     """torch.use_deterministic_algorithms(True); errors on ops without a deterministic kernel."""
     cudnn_benchmark: bool = False
     """cuDNN autotuning: faster convolutions, but the chosen kernel (and the bits) may vary."""
+    cpu_isa: Literal["portable", "native"] = "portable"
+    """CPU code paths. portable: the same bits on every x86-64 CPU with AVX2 and FMA, Intel or
+    AMD (ATen's own convolutions over MKL in its cross-vendor reproducible mode, ATen kernels
+    at AVX2; slower training on CPU, see docs/reproducibility.md); native: the fastest code for
+    this CPU (oneDNN), bits hold for this CPU model only. On a GPU it governs the CPU-side
+    work (latents, data) only."""
 
     @model_validator(mode="after")
     def _benchmark_breaks_determinism(self) -> DeterminismParams:

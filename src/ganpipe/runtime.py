@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import hashlib
+import os
+import platform
 import random
 import resource
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from ganpipe import cpu
 from ganpipe.params import DeterminismParams, DevicesParams
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -78,7 +84,7 @@ def resolve_device(devices: DevicesParams) -> torch.device:
 def configure_runtime(
     seed: int, devices: DevicesParams, determinism: DeterminismParams, rank: int = 0
 ) -> None:
-    """Set thread count, global seeds (per rank) and determinism flags for this process.
+    """Set CPU numerics, thread count, global seeds (per rank) and determinism flags.
 
     Everything that must agree across ranks (initial weights, data order, latents) uses
     its own seeded generator; the global RNGs, seeded per rank, only feed per-rank noise
@@ -86,7 +92,12 @@ def configure_runtime(
 
     ``CUBLAS_WORKSPACE_CONFIG`` must be in the environment before CUDA initialises; the
     stage entry point sets it (this library reads no environment variables).
+
+    Raises:
+        ValueError: this process was not pinned (:func:`ganpipe.cpu.pin`) to
+            ``determinism.cpu_isa`` before torch was imported, or the pin did not take.
     """
+    apply_cpu_numerics(determinism)
     torch.set_num_threads(devices.cpu_threads)
     random.seed(derive_seed(seed, "python", rank))
     np.random.seed(derive_seed(seed, "numpy", rank) % 2**32)
@@ -94,6 +105,133 @@ def configure_runtime(
     torch.use_deterministic_algorithms(determinism.deterministic)
     torch.backends.cudnn.deterministic = determinism.deterministic
     torch.backends.cudnn.benchmark = determinism.cudnn_benchmark
+
+
+def apply_cpu_numerics(determinism: DeterminismParams) -> None:
+    """Switch torch to the CPU code paths of ``determinism.cpu_isa`` and check the pins.
+
+    The environment part was set by :func:`ganpipe.cpu.pin` before torch loaded; what
+    torch decides at run time is set here: oneDNN off in the portable mode (its
+    convolutions choose blocking by cache size and core count, not only by instruction
+    set), NNPACK off too (with oneDNN off torch would run forward convolutions through
+    it: a third library with its own kernels, and 2x slower here than ATen's im2col +
+    GEMM), and denormals kept (a library loaded with flush-to-zero would change results).
+    """
+    mode, pinned = determinism.cpu_isa, cpu.pinned_mode()
+    if pinned != mode:
+        how = "never pinned" if pinned is None else f"pinned to determinism.cpu_isa={pinned}"
+        raise ValueError(
+            f"determinism.cpu_isa={mode} but this process was {how} before torch was "
+            "imported; call ganpipe.cpu.pin(params.determinism, params.devices) first thing "
+            "in the entry point (the stages do), or run the stage as `python -m stages.NAME`"
+        )
+    torch.set_flush_denormal(False)
+    torch.backends.mkldnn.enabled = mode == "native"
+    torch.backends.nnpack.set_flags(mode == "native")
+    if mode == "native":
+        return
+    capability, mkl = torch.backends.cpu.get_cpu_capability(), mkl_cbwr()
+    if capability != "AVX2" or mkl not in (None, cpu.PORTABLE_ENV["MKL_CBWR"]):
+        raise ValueError(
+            f"determinism.cpu_isa=portable but ATen runs its {capability} kernels and MKL's "
+            f"reproducibility mode is {mkl}: the libraries read their settings before "
+            "ganpipe.cpu.pin() set them"
+        )
+
+
+#: MKL's conditional-numerical-reproducibility branches (``mkl_cbwr_get``'s values,
+#: mkl_service.h) and its strict flag.
+MKL_CBWR_BRANCHES = {
+    1: "OFF",
+    2: "AUTO",
+    3: "COMPATIBLE",
+    4: "SSE2",
+    6: "SSSE3",
+    7: "SSE4_1",
+    8: "SSE4_2",
+    9: "AVX",
+    10: "AVX2",
+    12: "AVX512",
+    14: "AVX512_E1",
+}
+MKL_CBWR_STRICT = 0x10000
+
+
+@functools.cache
+def _mkl() -> ctypes.CDLL | None:
+    """torch's statically linked MKL, where its service functions are visible (x86 Linux)."""
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        lib.mkl_serv_cbwr_get.restype = ctypes.c_int
+        lib.mkl_serv_cbwr_get.argtypes = [ctypes.c_int]
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+def mkl_cbwr() -> str | None:
+    """MKL's reproducibility mode as MKL itself reports it (``COMPATIBLE``; ``OFF``: none),
+    or None where torch carries no MKL whose state can be read."""
+    lib = _mkl()
+    if lib is None:
+        return None
+    value = lib.mkl_serv_cbwr_get(-1)  # MKL_CBWR_ALL
+    branch = MKL_CBWR_BRANCHES.get(value & 0xFFFF, str(value & 0xFFFF))
+    return f"{branch},STRICT" if value & MKL_CBWR_STRICT else branch
+
+
+def mkl_version() -> str | None:
+    """MKL's version string, or None (see :func:`mkl_cbwr`)."""
+    lib = _mkl()
+    if lib is None or not hasattr(lib, "MKL_Get_Version_String"):
+        return None
+    buffer = ctypes.create_string_buffer(256)
+    lib.MKL_Get_Version_String(buffer, len(buffer))
+    return buffer.value.decode(errors="replace").strip()
+
+
+def numerics_record(
+    determinism: DeterminismParams, devices: DevicesParams, device: torch.device
+) -> dict[str, object]:
+    """What decides the bits of this process's results besides params, data and code.
+
+    Kept with the model files and in the run fingerprint: a checkpoint is resumed only
+    under the same numerics. In the portable mode it holds nothing machine-specific, so
+    the model files of two machines stay byte-identical; ``native`` adds the CPU
+    model and flags (its bits depend on them), a CUDA run the GPU model and library versions.
+    """
+    record: dict[str, object] = {
+        "cpu_isa": determinism.cpu_isa,
+        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "mkldnn": torch.backends.mkldnn.enabled,
+        "mkl_cbwr": mkl_cbwr(),
+        "env": cpu.env_in_effect(),
+        "cpu_threads": devices.cpu_threads,
+        "torch": str(torch.__version__),  # a str subclass torch.load(weights_only) refuses
+        "device": device.type,
+    }
+    if determinism.cpu_isa == "native":
+        record["cpu"] = cpu.cpu_info()
+    if device.type == "cuda":
+        record["gpu"] = torch.cuda.get_device_name(device)
+        record["cuda"] = torch.version.cuda
+        record["cudnn"] = torch.backends.cudnn.version()
+    return record
+
+
+def machine_record() -> dict[str, object]:
+    """Where this process runs: CPU, C library and versions (a record, not part of the bits)."""
+    return {
+        "cpu": cpu.cpu_info(),
+        "cpu_count": os.cpu_count(),
+        "libc": cpu.libc_version(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": str(torch.__version__),  # a str subclass torch.load(weights_only) refuses
+        "mkl": mkl_version(),
+        "cuda": torch.version.cuda,
+        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
 
 
 def autocast_factory(precision: str, device: torch.device) -> Callable[[], AbstractContextManager]:

@@ -239,7 +239,8 @@ def test_page_renders_every_plot_and_image_offline(project, browser):
     curves, drawn = plotted_curves(project)
     logged = {
         p.relative_to(project).as_posix()
-        for p in (project / "metrics/train/plots/metrics").rglob("*.tsv")
+        for folder in ("metrics", "measurements")  # computed, and measured (not in dvc.lock)
+        for p in (project / folder / "train/plots/metrics").rglob("*.tsv")
         if p.name not in LEFT_OUT
     }
     assert len(logged) >= 11 and drawn == logged  # every logged curve is in a group

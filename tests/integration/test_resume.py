@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ganpipe import checkpoint, loop
+from ganpipe import checkpoint, loop, runtime
 from ganpipe.checkpoint import load, load_newest_checkpoint, run_fingerprint, save_checkpoint
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.prepare import prepare_dataset
@@ -261,14 +261,66 @@ def is_stage(pid: int) -> bool:
         return False
 
 
+def numerics(params) -> dict:
+    return runtime.numerics_record(params.determinism, params.devices, torch.device("cpu"))
+
+
+def fingerprint(params, dataset_sha256: str = "") -> str:
+    return run_fingerprint(params, dataset_sha256, numerics(params))[0]
+
+
+def changed(section: str, **values):
+    """RUN with ``values`` set in ``section``, validated."""
+    return parse_params({**RUN, section: {**RUN.get(section, {}), **values}})
+
+
 def test_a_different_training_config_gets_its_own_run(tmp_path):
     base = parse_params(RUN)
-    longer = parse_params({**RUN, "train": {**RUN["train"], "kimg": 10, "log_every_kimg": 1}})
-    other = parse_params({**RUN, "train": {**RUN["train"], "lr_g": 1e-3}})
-    threads = parse_params({**RUN, "devices": {**RUN["devices"], "cpu_threads": 2}})
-    assert run_fingerprint(base)[0] == run_fingerprint(longer)[0]  # extend training: resume
-    assert run_fingerprint(base)[0] != run_fingerprint(other)[0]
-    assert run_fingerprint(base)[0] != run_fingerprint(threads)[0]  # threads change the bits
+    assert fingerprint(changed("train", kimg=10, log_every_kimg=1)) == fingerprint(base)
+    assert fingerprint(changed("train", lr_g=1e-3)) != fingerprint(base)
+    assert fingerprint(changed("devices", cpu_threads=2)) != fingerprint(base)  # other bits
+
+
+def test_only_what_changes_the_trained_bits_is_fingerprinted():
+    """Issue 13: other stages' params, intervals, addresses resume the run; the training
+    params, the world size, the device actually used and the CPU mode do not."""
+    base = fingerprint(parse_params(RUN))
+    resumes = [
+        changed("eval", num_samples=500, kid_subset_size=50),
+        changed("featurenet", epochs=2),
+        changed("generate", seed=7, num_images=3),
+        changed("train", keep_checkpoints=1, snapshot_kimg=1, num_workers=1),
+        changed("devices", accelerator="cpu", gpus=[0], timeout_s=60),  # cpu, as auto here
+        changed("data", on_bad_image="skip"),  # the training set's hash stands for the data
+    ]
+    for params in resumes:
+        assert fingerprint(params) == base, params
+    restarts = [
+        parse_params({**RUN, "seed": 5}),
+        parse_params({**RUN, "precision": "bf16"}),
+        changed("model", norm="instance"),
+        changed("train", grad_accum=2),
+        changed("generate", grid_rows=3),  # the run's logged grids are that size
+        changed("devices", nproc_per_node=2),
+        changed("determinism", cpu_isa="native"),
+    ]
+    for params in restarts:
+        assert fingerprint(params) != base, params
+    on_gpu = {**numerics(parse_params(RUN)), "device": "cuda"}  # the device actually used
+    assert run_fingerprint(parse_params(RUN), "", on_gpu)[0] != base
+
+
+def test_the_numerics_are_part_of_the_fingerprint():
+    params = parse_params(RUN)
+    runtime.apply_cpu_numerics(params.determinism)  # as every stage does
+    record = numerics(params)
+    assert record["cpu_isa"] == "portable" and record["aten_cpu_capability"] == "AVX2"
+    assert record["mkldnn"] is False and record["mkl_cbwr"] == "COMPATIBLE"
+    assert "cpu" not in record  # portable: nothing of this machine, so files match elsewhere
+    native = changed("determinism", cpu_isa="native")
+    assert numerics(native)["cpu"]["flags"]  # native bits belong to this CPU model
+    other_torch = {**record, "torch": "0.0.0"}
+    assert run_fingerprint(params, "", other_torch)[0] != fingerprint(params)
 
 
 @pytest.mark.slow
@@ -491,14 +543,14 @@ def test_resuming_a_finished_run_logs_it_again(tmp_path, data_dir):
 
 def test_new_code_does_not_resume_an_old_run(monkeypatch):
     params = parse_params(RUN)
-    before = run_fingerprint(params)[0]
+    before = fingerprint(params)
     monkeypatch.setattr(checkpoint, "code_digest", lambda: "0" * 64)
-    assert run_fingerprint(params)[0] != before
+    assert fingerprint(params) != before
 
 
 def test_new_data_does_not_resume_an_old_run():
     params = parse_params(RUN)
-    assert run_fingerprint(params, "a" * 64)[0] != run_fingerprint(params, "b" * 64)[0]
+    assert fingerprint(params, "a" * 64) != fingerprint(params, "b" * 64)
 
 
 def test_the_code_digest_ignores_comments_formatting_and_docstrings():

@@ -62,9 +62,18 @@ def test_train_then_generate_in_process(tmp_path, monkeypatch):
     for name in ("generator", "discriminator", "g_ema"):
         record = load(project / "models" / f"{name}.pt")
         assert record["image_size"] == 16 and record["channels"] == 1
+        assert record["numerics"]["cpu_isa"] == "portable" and record["numerics"]["mkldnn"] is False
     metrics = json.loads((project / "metrics/train/metrics.json").read_text())
     assert set(metrics["loss"]) == {"d", "g"} and metrics["step"] == 160
     assert np.isfinite(metrics["loss"]["d"])
+    # measured, not computed: outside the stage's outputs, where the plots and flows read it
+    assert "perf" not in metrics and not (project / "metrics/train/plots/metrics/perf").exists()
+    measured = json.loads((project / "measurements/train/metrics.json").read_text())
+    assert set(measured["perf"]) == {"images_per_s", "step_ms", "peak_memory_mb"}
+    assert (project / "measurements/train/plots/metrics/perf/step_ms.tsv").is_file()
+    machine = json.loads((project / "measurements/train/machine.json").read_text())
+    assert machine["numerics"]["aten_cpu_capability"] == "AVX2"
+    assert machine["machine"]["cpu"]["arch"] and machine["machine"]["torch"] == torch.__version__
     progress = sorted((project / "metrics/train/plots/images/progress").iterdir())
     assert [p.name for p in progress] == ["000000080.png", "000000160.png"]
     tsv = (project / "metrics/train/plots/metrics/loss/g.tsv").read_text().splitlines()

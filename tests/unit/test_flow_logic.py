@@ -108,6 +108,31 @@ def test_stage_outputs_list_samples_and_metrics():
     assert "metrics/train/metrics.json" in outputs
 
 
+def test_checkpoints_are_shared_with_a_checkout_as_links(tmp_path):
+    project, path = tmp_path / "project", tmp_path / "checkout"
+    ckpt = project / "checkpoints" / "0123456789abcdef" / "ckpt-000000000320.pt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"state")
+    path.mkdir()
+    checkout.share_checkpoints(project, path)
+    linked = path / ckpt.relative_to(project)
+    assert linked.read_bytes() == b"state" and linked.stat().st_ino == ckpt.stat().st_ino
+    checkout.share_checkpoints(tmp_path / "none", tmp_path / "other")  # nothing to share
+    assert not (tmp_path / "other").exists()
+
+
+def test_measurements_are_no_stage_output_and_the_flows_read_them():
+    spec = yaml.safe_load((REPO / "dvc.yaml").read_text())
+    outputs = checkout.stage_outputs(REPO / "dvc.yaml")
+    assert not [o for o in outputs if o.startswith(("measurements", "checkpoints"))]
+    assert all(name.startswith("measurements/") for name in checkout.MEASURED_METRICS)
+    drawn = [f for entry in spec["plots"] for p in entry.values() for f in p["y"]]
+    assert [f for f in drawn if "perf" in f] == [
+        f"measurements/train/plots/metrics/perf/{k}.tsv"
+        for k in ("images_per_s", "step_ms", "peak_memory_mb")
+    ]
+
+
 # -- overrides -------------------------------------------------------------------------
 
 
@@ -296,7 +321,7 @@ def sweep_records() -> tuple[dict, dict]:
     found = {
         name: exp(
             {
-                "metrics/train/metrics.json": {"perf": {"images_per_s": 1000.0 + i}},
+                "measurements/train/metrics.json": {"perf": {"images_per_s": 1000.0 + i}},
                 "metrics/eval/metrics.json": {"fid": value, "kid": 0.1},
             }
         )
@@ -331,7 +356,7 @@ def test_report_says_when_the_metric_is_missing_instead_of_failing():
 def test_report_shows_step_time_and_memory_and_failures():
     planned, found = sweep_records()
     for i, record in enumerate(found.values()):
-        record["metrics"]["metrics/train/metrics.json"]["perf"].update(
+        record["metrics"]["measurements/train/metrics.json"]["perf"].update(
             step_ms=10.0 + i, peak_memory_mb=100.0
         )
     found["s-a-1"] = exp({}, "failed")

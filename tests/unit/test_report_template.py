@@ -7,8 +7,10 @@ import re
 
 import yaml
 
-from reports.build import BUNDLES, TEMPLATE, plot_targets
+from reports.build import BUNDLES, TEMPLATE, groups_without_data, plot_targets
 from tests.helpers import REPO
+
+MEASURED = {"throughput", "step_time", "peak_memory"}
 
 
 def test_template_loads_the_copied_bundles_in_order_and_nothing_remote():
@@ -44,8 +46,10 @@ def test_every_curve_group_has_a_title_axis_labels_and_the_line_template():
     for name, props in groups:
         assert props["template"] == "reports/line_template.json", name
         assert props["title"] and props["y_label"] and props["x_label"] == "images seen", name
+        # the measured curves live outside the stage's outputs (not in dvc.lock)
+        folder = "measurements" if name in MEASURED else "metrics"
         assert props["x"] == "step" and all(
-            path.startswith("metrics/train/plots/metrics/") for path in props["y"]
+            path.startswith(f"{folder}/train/plots/metrics/") for path in props["y"]
         ), name
     template = (REPO / "reports/line_template.json").read_text()
     for anchor in ("DATA", "TITLE", "X", "Y", "X_LABEL", "Y_LABEL", "TOOLTIP"):
@@ -79,13 +83,15 @@ def test_page_targets_are_the_groups_and_images_not_the_curve_folder(tmp_path):
                                 "metrics/train/plots/metrics/loss/g.tsv": "g",
                             }
                         }
-                    }
+                    },
+                    {"throughput": {"y": {"measurements/train/plots/metrics/perf/x.tsv": "x"}}},
                 ],
             },
             sort_keys=False,
         )
     )
 
+    assert groups_without_data(tmp_path) == ["throughput"]  # a clone has measured nothing
     assert plot_targets(tmp_path) == [
         "losses$",
         "metrics/train/plots/metrics/amp/scale/g.tsv",  # no group draws it: shown on its own
