@@ -7,8 +7,8 @@ core count, MKL's BLAS and LAPACK by processor (and its thread count by the prob
 model trained on an AVX-512 machine therefore differs in every bit from one trained on an
 AVX2 machine (measured, see docs/reproducibility.md). ``determinism.cpu_isa`` chooses:
 
-- ``portable``: convolutions run as ATen's own im2col + GEMM instead of oneDNN
-  (``torch.backends.mkldnn.enabled = False``, set by :func:`ganpipe.runtime.configure_runtime`);
+- ``portable``: convolutions run as ATen's own im2col + GEMM instead of oneDNN or NNPACK
+  (both switched off by :func:`ganpipe.runtime.configure_runtime`);
   MKL uses its conditional-numerical-reproducibility branch ``COMPATIBLE`` (SSE2 without the
   approximate rcpps/rsqrtps; MKL's AVX2 branch exists for Intel processors only and falls
   back to per-CPU dispatch elsewhere, so it cannot give an AMD machine Intel's bits) with
