@@ -57,12 +57,16 @@ def train_recorded(params, db, recorder: Recorder) -> loop.TrainResult:
 WORKER = textwrap.dedent(
     """
     import hashlib, json, sys
-    import torch
-    from ganpipe import loop, runtime
-    from ganpipe.data.dataset import LmdbImageDataset
+    from ganpipe import cpu
     from ganpipe.params import parse_params
 
     raw, db = json.loads(sys.argv[1]), sys.argv[2]
+    first = parse_params(raw)
+    cpu.pin(first.determinism, first.devices)  # before torch loads, as the stages do
+    import torch
+    from ganpipe import loop, runtime
+    from ganpipe.data.dataset import LmdbImageDataset
+
     digests = {}
     for strategy in ("d_first_retain", "d_first_detach", "g_first_detach"):
         for precision in ("fp32", "bf16"):
