@@ -140,13 +140,16 @@ def pin(determinism: DeterminismParams, devices: DevicesParams) -> None:
         CpuError: this CPU cannot run the mode.
     """
     global _pinned
+    wanted = numerics_env(determinism.cpu_isa, devices.cpu_threads)
+    if _pinned == determinism.cpu_isa and all(os.environ.get(k) == v for k, v in wanted.items()):
+        return  # pinned so already (a second entry point in the same process)
     if "torch" in sys.modules:
         raise RuntimeError(
             "ganpipe.cpu.pin() called after torch was imported: torch's libraries read "
             "their CPU settings when they load; call it first thing in the entry point"
         )
     check_cpu(determinism.cpu_isa)
-    os.environ.update(numerics_env(determinism.cpu_isa, devices.cpu_threads))
+    os.environ.update(wanted)
     _pinned = determinism.cpu_isa
 
 

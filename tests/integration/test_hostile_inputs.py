@@ -29,6 +29,7 @@ import torch
 import yaml
 from PIL import Image
 
+from ganpipe import runtime
 from ganpipe.checkpoint import save_atomic
 from ganpipe.data import convert
 from ganpipe.data.convert import BadImageError
@@ -463,7 +464,9 @@ def tiny_generator_project(root: Path) -> Params:
     )
     torch.manual_seed(0)
     g = DcganGenerator(4, 4, 1, 16, params.model.norm)
-    save_atomic(model_record(params, "generator", g.state_dict()), root / "models" / "g_ema.pt")
+    numerics = runtime.numerics_record(params.determinism, params.devices, torch.device("cpu"))
+    record = model_record(params, "generator", g.state_dict(), numerics)
+    save_atomic(record, root / "models" / "g_ema.pt")
     return params
 
 

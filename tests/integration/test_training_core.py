@@ -182,7 +182,9 @@ def memory_growths() -> dict[str, tuple[int, float]]:
     """``growth_in_forks`` run in a new interpreter: in this one, memory freed by earlier
     tests is reused by the allocator and hides growth from RSS."""
     code = (
-        "import json; from tests.integration import test_training_core as t; "
+        "import json; from ganpipe import cpu; from ganpipe.params import Params; "
+        "cpu.pin(Params().determinism, Params().devices); "  # before torch, as conftest does
+        "from tests.integration import test_training_core as t; "
         "print(json.dumps(t.growth_in_forks()))"
     )
     out = subprocess.run(

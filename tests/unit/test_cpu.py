@@ -66,10 +66,14 @@ def test_this_machine_can_run_the_portable_mode():
     cpu.check_cpu("portable")  # the default must work where the project is developed
 
 
-def test_pinning_after_torch_is_loaded_is_refused():
+def test_pinning_after_torch_is_loaded_is_refused_unless_pinned_so_already():
     assert "torch" in __import__("sys").modules
     with pytest.raises(RuntimeError, match="after torch was imported"):
-        cpu.pin(DeterminismParams(), DevicesParams())
+        cpu.pin(DeterminismParams(cpu_isa="native"), DevicesParams())
+    with pytest.raises(RuntimeError, match="after torch was imported"):
+        cpu.pin(DeterminismParams(), DevicesParams(cpu_threads=3))  # another thread count
+    cpu.pin(DeterminismParams(), DevicesParams())  # this session's pins (tests/conftest.py)
+    assert cpu.pinned_mode() == "portable"
 
 
 def test_a_process_pinned_to_another_mode_is_refused():
