@@ -18,9 +18,10 @@ def launch(params: Params, module: str) -> int:
     """Run stage ``module`` again under torchrun, one process per device; return its exit code.
 
     The workers' environment is fixed here, before any of them imports torch:
-    ``CUDA_VISIBLE_DEVICES`` (devices.gpus), ``OMP_NUM_THREADS`` (devices.cpu_threads) and
-    ``CUBLAS_WORKSPACE_CONFIG``; they inherit the CPU pins of this process
-    (:func:`ganpipe.cpu.pin`) and pin again themselves. One node uses ``--standalone``;
+    ``OMP_NUM_THREADS`` (devices.cpu_threads) and ``CUBLAS_WORKSPACE_CONFIG``; they inherit
+    the CPU pins and the GPU selection of this process (:func:`ganpipe.cpu.pin`,
+    :func:`ganpipe.cpu.pin_gpus`: ``CUDA_VISIBLE_DEVICES`` from devices.gpus) and pin again
+    themselves. One node uses ``--standalone``;
     several use the c10d rendezvous at devices.rdzv_endpoint. ``--max-restarts 0``: a failed
     rank fails the run.
     """
@@ -28,8 +29,6 @@ def launch(params: Params, module: str) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": str(devices.cpu_threads)}
     if runtime.wants_cuda(devices):
         runtime.check_gpus(devices)
-        if isinstance(devices.gpus, list):
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices.gpus))
     command = [
         sys.executable,
         "-m",
