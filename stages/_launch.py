@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import subprocess
 import sys
+from contextlib import AbstractContextManager
+from pathlib import Path
 
 from ganpipe import dist, runtime
+from ganpipe.files import locked_dir
 from ganpipe.params import Params
 
 log = logging.getLogger("stages.launch")
@@ -80,6 +84,17 @@ def launch(params: Params, module: str) -> int:
             file=sys.stderr,
         )
     return code
+
+
+def lock_outputs(folder: Path, stage: str) -> AbstractContextManager[None]:
+    """:func:`ganpipe.files.locked_dir` on ``folder`` in the process the user started.
+
+    A torchrun worker takes no lock: its launcher holds it for the whole run (torchrun and
+    the workers do not inherit the descriptor, so a killed launcher frees it).
+    """
+    if "LOCAL_RANK" in os.environ:
+        return contextlib.nullcontext()
+    return locked_dir(folder, stage)
 
 
 def join(params: Params, module: str) -> dist.DistContext:

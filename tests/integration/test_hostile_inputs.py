@@ -509,3 +509,59 @@ def test_a_second_generate_fails_at_once_leaving_the_first_ones_files(tmp_path, 
     with locked_dir(Path("samples"), "generate"), busy:
         generate_stage.main(params)
     assert (running / "000000.png").read_bytes() == b"being written"
+
+
+@pytest.mark.parametrize(
+    ("stage", "folder", "previous"),
+    [
+        ("train", "checkpoints", ["models/g_ema.pt", "checkpoints/abc/ckpt-000001.pt"]),
+        ("featurenet", "models", ["models/featurenet.pt", "metrics/featurenet.json"]),
+        ("evaluate", "metrics/eval", ["metrics/eval/metrics.json"]),
+    ],
+)
+def test_a_second_train_featurenet_or_evaluate_fails_at_once(
+    tmp_path, monkeypatch, capsys, stage, folder, previous
+):
+    # In-process through the stages' own error handling: the lock is taken before any data,
+    # model or torch work, so a subprocess would only add its ~10 s of imports.
+    import importlib
+
+    from stages import _cli
+
+    module = importlib.import_module(f"stages.{stage}")
+    write_params(tmp_path, {})
+    for name in previous:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"the first run's")
+    before = dir_digest(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [stage])
+    with locked_dir(Path(folder), stage), pytest.raises(SystemExit) as exited:
+        _cli.run(module.main, stage)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"error: {folder}/ is being written by process {os.getpid()} (another `{stage}` run?); "
+        f"wait for it to finish, or stop it, then rerun `{stage}`"
+    ), err
+    assert "Traceback" not in err
+    assert dir_digest(tmp_path) == before
+
+
+# --- devices.gpus --------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 9, reason="this machine has a GPU 9")
+def test_a_listed_gpu_the_machine_lacks_stops_the_stage(tmp_path):
+    """The stage selects devices.gpus before torch loads (CUDA then sees none of them) and
+    says so, instead of running on GPU 0 or, with accelerator auto, on the CPU."""
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"devices": {"gpus": [9]}}))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "featurenet.pt").write_bytes(b"previous weights")
+    before = dir_digest(tmp_path)
+    message = stage_error(run_stage(tmp_path, "featurenet", timeout=120))
+    assert message.startswith(
+        "error: devices.gpus=[9] but CUDA sees none of them: this machine has no GPU 9 (or no "
+        "CUDA); list this machine's GPUs with `nvidia-smi -L` and name existing ones"
+    ), message
+    assert dir_digest(tmp_path) == before
