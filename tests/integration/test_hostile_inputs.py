@@ -565,3 +565,53 @@ def test_a_listed_gpu_the_machine_lacks_stops_the_stage(tmp_path):
         "CUDA); list this machine's GPUs with `nvidia-smi -L` and name existing ones"
     ), message
     assert dir_digest(tmp_path) == before
+
+
+# --- the plots page (reports/build.py) ----------------------------------------------------
+
+
+def test_the_report_build_clears_what_a_killed_build_left(tmp_path):
+    from reports.build import ReportError, build_report
+
+    page = tmp_path / "reports" / "plots"
+    (page / "vendor").mkdir(parents=True)
+    (page / "index.html").write_text("the previous page")
+    leftovers = [
+        tmp_path / "reports" / ".plots.tmp-4242",  # this module's staging folder
+        tmp_path / "reports" / ".plots.old-4242",  # replace_dir's aside, where no exchange
+        tmp_path / "reports" / ".plots.k1_ll3d0",  # tempfile's name, before
+    ]
+    for folder in leftovers:
+        (folder / "new").mkdir(parents=True)
+        (folder / "new" / "index.html").write_text("half a page")
+    keep = [tmp_path / "reports" / ".plots.notes", tmp_path / "reports" / "build.py"]
+    for path in keep:  # not a build's: stays
+        path.write_text("mine")
+    before = dir_digest(page)
+    # No vega bundles: the build fails after clearing, before rendering anything.
+    with pytest.raises(ReportError, match="make setup"):
+        build_report(tmp_path, Path("reports/plots"), node_modules=tmp_path / "none")
+    assert not any(p.exists() for p in leftovers)
+    assert all(p.read_text() == "mine" for p in keep)
+    assert dir_digest(page) == before
+
+
+def test_a_second_report_build_fails_at_once(tmp_path):
+    (tmp_path / "reports" / ".plots.tmp-4242").mkdir(parents=True)  # the running one's
+    (tmp_path / "reports" / ".plots.tmp-4242" / "index.html").write_text("being written")
+    before = dir_digest(tmp_path)
+    with locked_dir(tmp_path / "reports", "reports.build"):
+        result = subprocess.run(
+            [sys.executable, "-m", "reports.build", "--node-modules", str(tmp_path)],
+            cwd=tmp_path,
+            env=stage_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    message = stage_error(result)
+    assert message.startswith(
+        f"error: {tmp_path}/reports/ is being written by process {os.getpid()} (another "
+        "`reports.build` run?)"
+    ), message
+    assert dir_digest(tmp_path) == before
