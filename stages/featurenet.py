@@ -24,7 +24,7 @@ from ganpipe import runtime
 from ganpipe.checkpoint import torch_bytes, write_bytes_atomic
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.store import check_pair
-from ganpipe.featurenet import record, train_featurenet
+from ganpipe.featurenet import classes_for, record, train_featurenet
 from ganpipe.files import locked_dir
 from ganpipe.params import Params
 from stages._cli import TRAIN_LMDB, VAL_LMDB
@@ -45,9 +45,9 @@ def train_and_save(params: Params) -> None:
     train_set = LmdbImageDataset(TRAIN_LMDB)
     val_set = LmdbImageDataset(VAL_LMDB)
     check_pair(train_set.meta, val_set.meta, TRAIN_LMDB, VAL_LMDB)
-    meta = train_set.meta
-    shape = tuple(meta["shape"])
-    classes = sum(1 for count in meta["class_counts"] if count > 0)
+    val_set.class_counts()  # checked too: held-out accuracy compares its labels
+    classes = classes_for(train_set.class_counts())
+    shape = tuple(train_set.meta["shape"])
     result = train_featurenet(
         params.featurenet, params.seed, train_set, val_set, classes, shape, device
     )

@@ -306,6 +306,11 @@ GOOD_META = {
         ({**GOOD_META, "shape": [8, 8]}, "shape=[8, 8] (expected [height, width, channels]"),
         ({**GOOD_META, "shape": [8, 0, 1]}, "shape=[8, 0, 1]"),
         ({**GOOD_META, "class_counts": 3}, "class_counts=3 (expected a list"),
+        ({**GOOD_META, "class_counts": [2, 0]}, "class_counts=[2, 0] add up to 2, not count=1"),
+        (
+            {**GOOD_META, "class_counts": [1], "classes": ["a", "b"]},
+            "class_counts has 1 entries but classes names 2",
+        ),
         ({k: v for k, v in GOOD_META.items() if k != "count"}, "count=missing"),
     ],
 )
@@ -336,6 +341,82 @@ def test_a_stage_reading_a_bad_meta_record_exits_cleanly(tmp_path, monkeypatch, 
     assert err.startswith("error: data/train.lmdb: the meta record is a JSON list"), err
     assert "Traceback" not in err
     assert dir_digest(tmp_path) == before
+
+
+def relabel_first(db: Path, old: int, new: int) -> None:
+    """Give the first record labelled ``old`` in ``db`` the label ``new``, meta unchanged."""
+    env = lmdb.open(str(db), lock=False, subdir=True)
+    with env.begin(write=True) as txn:
+        for key, value in txn.cursor():
+            if key != META_KEY and LABEL.unpack_from(value)[0] == old:
+                txn.put(key, LABEL.pack(new) + value[LABEL.size :])
+                break
+    env.close()
+
+
+def featurenet_project(root: Path, classes: dict[str, int], **data) -> Path:
+    """root/data/ prepared from class folders of ``n`` tiny images each (0: empty)."""
+    for name, n in classes.items():
+        (root / "images" / name).mkdir(parents=True)
+        for i in range(n):
+            solid_image(root / "images" / name / f"{i}.png", (40 * i, 80, 0))
+    raw = {"source": "folder", "path": "images", "image_size": 16, "channels": 1, **data}
+    prepare_dataset(DataParams(**raw), 0, root / "data", root=root, progress=False)
+    (root / "params.yaml").write_text(
+        yaml.safe_dump(
+            {"data": raw, "devices": {"accelerator": "cpu"}, "featurenet": {"epochs": 1}}
+        )
+    )
+    return root
+
+
+@pytest.mark.parametrize(
+    ("split", "label", "words"),
+    [
+        ("train", 7, "record(s) have labels outside 0..1 (e.g. 7), the 2 classes of the meta"),
+        (
+            "val",
+            1,
+            "hold [1, 3] images per label but the meta record's class_counts says [2, 2]",
+        ),
+    ],
+)
+def test_featurenet_checks_the_labels_against_the_meta_record(
+    tmp_path, monkeypatch, capsys, split, label, words
+):
+    from stages import _cli
+    from stages import featurenet as featurenet_stage
+
+    project = featurenet_project(tmp_path, {"a": 4, "b": 4}, val_fraction=0.5)
+    relabel_first(project / "data" / f"{split}.lmdb", 0, label)
+    (project / "models").mkdir()
+    (project / "models" / "featurenet.pt").write_bytes(b"previous weights")
+    before = dir_digest(project)
+    monkeypatch.chdir(project)
+    monkeypatch.setattr(sys, "argv", ["featurenet"])
+    with pytest.raises(SystemExit) as exited:
+        _cli.run(featurenet_stage.main, "featurenet")
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: data/{split}.lmdb: "), err
+    assert words in err and err.rstrip().endswith("rebuild it with `dvc repro prepare`"), err
+    assert "Traceback" not in err
+    assert dir_digest(project) == before
+
+
+def test_featurenet_trains_with_an_empty_class_between_others(tmp_path, monkeypatch):
+    """on_bad_image: skip keeps an empty class folder's label: labels 0 and 2, no 1. The
+    classifier counted the non-empty classes (2) and label 2 was out of its range."""
+    from stages import featurenet as featurenet_stage
+
+    project = featurenet_project(
+        tmp_path, {"a": 4, "b": 0, "c": 4}, val_fraction=0.25, on_bad_image="skip"
+    )
+    assert read_meta(project / "data" / "train.lmdb")["class_counts"] == [3, 0, 3]
+    monkeypatch.chdir(project)
+    featurenet_stage.main(Params.model_validate(yaml.safe_load(Path("params.yaml").read_text())))
+    metrics = json.loads(Path("metrics/featurenet.json").read_text())
+    assert metrics["task"] == "classification" and metrics["classes"] == 3
 
 
 # --- disk full ---------------------------------------------------------------------------
