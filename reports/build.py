@@ -10,7 +10,9 @@ in ``reports/node_modules`` (``npm ci`` from ``reports/package-lock.json``, run 
 ``make setup``).
 Outputs: ``reports/plots/``: ``index.html``, ``static/`` (the images, copied by DVC) and
 ``vendor/`` (the three bundles), so the folder opens offline from anywhere. It is built in a
-temporary folder beside it and swapped in whole: a failure never leaves a half page.
+temporary folder beside it (``.plots.tmp-<pid>``) and swapped in whole: a failure never
+leaves a half page. A build holds a lock on the folder around ``plots/`` (a second build
+fails at once, naming the pid of the first) and first deletes what a killed build left there.
 Command: ``python -m reports.build`` (``make report``; ``make repro`` ends with it)
 """
 
@@ -18,15 +20,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import yaml
 
-from ganpipe.files import replace_dir
+from ganpipe.files import TMP_MARK, OutputsBusyError, clear_leftovers, locked_dir, replace_dir
 
 HERE = Path(__file__).resolve().parent
 TEMPLATE = HERE / "template.html"
@@ -149,6 +151,21 @@ def is_plots_page(folder: Path) -> bool:
     )
 
 
+def clear_build_leftovers(out: Path) -> list[Path]:
+    """Delete what killed builds of ``out`` left beside it; call under the build's lock.
+
+    Those are ``.NAME.tmp-*`` / ``.NAME.old-*`` (:func:`ganpipe.files.clear_leftovers`) and,
+    from builds before the staging folder had that name, tempfile's ``.NAME.XXXXXXXX``.
+    """
+    removed = clear_leftovers(out.parent, [out.name])
+    tempfile_name = re.compile(rf"\.{re.escape(out.name)}\.[a-z0-9_]{{8}}")
+    for stale in sorted(out.parent.glob(f".{out.name}.*")):
+        if tempfile_name.fullmatch(stale.name) and stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+            removed.append(stale)
+    return removed
+
+
 def build_report(
     repo: Path = Path("."),
     out: Path = OUT,
@@ -160,22 +177,28 @@ def build_report(
     Raises:
         ReportError: the bundles are missing, ``out`` holds something else than an earlier
             page, or DVC wrote no page or missed plots.
+        OutputsBusyError: another build of a page in the same folder is running.
     """
-    bundles = find_bundles(node_modules)
     out = (repo / out).resolve()
-    if out.exists() and any(out.iterdir()) and not is_plots_page(out):
-        raise ReportError(
-            f"refusing to replace {out}: it is not a plots page built by reports.build "
-            "(no index.html and vendor/); choose a new or empty folder"
-        )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
-        staging = Path(tmp) / "new"
-        render_plots(repo, template.resolve(), staging)
-        (staging / "vendor").mkdir()
-        for name, path in bundles.items():
-            shutil.copyfile(path, staging / "vendor" / name)
-        replace_dir(staging, out)  # an atomic exchange; the old page is deleted after
+    with locked_dir(out.parent, "reports.build"):
+        clear_build_leftovers(out)
+        bundles = find_bundles(node_modules)
+        if out.exists() and any(out.iterdir()) and not is_plots_page(out):
+            raise ReportError(
+                f"refusing to replace {out}: it is not a plots page built by reports.build "
+                "(no index.html and vendor/); choose a new or empty folder"
+            )
+        tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}"
+        tmp.mkdir()
+        try:
+            staging = tmp / "new"
+            render_plots(repo, template.resolve(), staging)
+            (staging / "vendor").mkdir()
+            for name, path in bundles.items():
+                shutil.copyfile(path, staging / "vendor" / name)
+            replace_dir(staging, out)  # an atomic exchange; the old page is deleted after
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out / "index.html"
 
 
@@ -191,7 +214,7 @@ def main() -> None:
     args = parser.parse_args()
     try:
         page = build_report(out=args.out, node_modules=args.node_modules)
-    except ReportError as exc:
+    except (ReportError, OutputsBusyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     left_out = groups_without_data(Path("."))

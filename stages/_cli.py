@@ -42,11 +42,13 @@ def _parser(description: str | None = None, add_help: bool = True) -> argparse.A
 
 
 def pin_cpu() -> None:
-    """Pin the CPU numerics of ``determinism.cpu_isa`` (:func:`ganpipe.cpu.pin`).
+    """Pin the CPU numerics of ``determinism.cpu_isa`` (:func:`ganpipe.cpu.pin`) and select
+    the GPUs of ``devices.gpus`` (:func:`ganpipe.cpu.pin_gpus`).
 
     A stage calls this when run as a program, before its imports load torch: the libraries
-    under torch read the pinned variables once, when they load. Invalid params or a CPU
-    that cannot run the mode exit with status 2 and one ``error:`` message, as :func:`run`.
+    under torch, and CUDA, read the pinned variables once, when they load. Invalid params,
+    a CPU that cannot run the mode or a GPU list the environment contradicts exit with
+    status 2 and one ``error:`` message, as :func:`run`.
     """
     if {"-h", "--help"} & set(sys.argv[1:]):
         return  # run() prints the help; nothing is computed, nothing needs pinning
@@ -54,6 +56,7 @@ def pin_cpu() -> None:
     try:
         params = load_params(args.params)
         cpu.pin(params.determinism, params.devices)
+        cpu.pin_gpus(params.devices)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import subprocess
 import sys
+from contextlib import AbstractContextManager
+from pathlib import Path
 
 from ganpipe import dist, runtime
+from ganpipe.files import locked_dir
 from ganpipe.params import Params
 
 log = logging.getLogger("stages.launch")
@@ -18,9 +22,10 @@ def launch(params: Params, module: str) -> int:
     """Run stage ``module`` again under torchrun, one process per device; return its exit code.
 
     The workers' environment is fixed here, before any of them imports torch:
-    ``CUDA_VISIBLE_DEVICES`` (devices.gpus), ``OMP_NUM_THREADS`` (devices.cpu_threads) and
-    ``CUBLAS_WORKSPACE_CONFIG``; they inherit the CPU pins of this process
-    (:func:`ganpipe.cpu.pin`) and pin again themselves. One node uses ``--standalone``;
+    ``OMP_NUM_THREADS`` (devices.cpu_threads) and ``CUBLAS_WORKSPACE_CONFIG``; they inherit
+    the CPU pins and the GPU selection of this process (:func:`ganpipe.cpu.pin`,
+    :func:`ganpipe.cpu.pin_gpus`: ``CUDA_VISIBLE_DEVICES`` from devices.gpus) and pin again
+    themselves. One node uses ``--standalone``;
     several use the c10d rendezvous at devices.rdzv_endpoint. ``--max-restarts 0``: a failed
     rank fails the run.
     """
@@ -28,8 +33,6 @@ def launch(params: Params, module: str) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": str(devices.cpu_threads)}
     if runtime.wants_cuda(devices):
         runtime.check_gpus(devices)
-        if isinstance(devices.gpus, list):
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices.gpus))
     command = [
         sys.executable,
         "-m",
@@ -81,6 +84,17 @@ def launch(params: Params, module: str) -> int:
             file=sys.stderr,
         )
     return code
+
+
+def lock_outputs(folder: Path, stage: str) -> AbstractContextManager[None]:
+    """:func:`ganpipe.files.locked_dir` on ``folder`` in the process the user started.
+
+    A torchrun worker takes no lock: its launcher holds it for the whole run (torchrun and
+    the workers do not inherit the descriptor, so a killed launcher frees it).
+    """
+    if "LOCAL_RANK" in os.environ:
+        return contextlib.nullcontext()
+    return locked_dir(folder, stage)
 
 
 def join(params: Params, module: str) -> dist.DistContext:

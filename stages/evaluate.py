@@ -6,7 +6,9 @@ Inputs: params ``seed``, ``devices``, ``determinism``, ``eval``; ``models/g_ema.
 the same train/val pair as val's (both written by one prepare run).
 Outputs: ``metrics/eval/metrics.json`` (``fid``, ``kid``, ``kid_std``, ``precision``,
 ``recall`` and what they were computed from; written atomically). Real-image features
-are cached in ``.state/feature-cache/``.
+are cached in ``.state/feature-cache/``. While it runs, the stage holds a lock on
+``metrics/eval/`` (covering the cache too): a second evaluate fails at once, naming the pid
+of the first.
 Command: ``python -m stages.evaluate`` (with ``devices.nproc_per_node > 1`` it runs under
 torchrun and each process generates its share of the samples).
 """
@@ -31,7 +33,7 @@ from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.store import check_pair, read_meta
 from ganpipe.params import Params
 from stages._cli import TRAIN_LMDB, VAL_LMDB
-from stages._launch import join
+from stages._launch import join, lock_outputs
 from stages.generate import load_generator
 
 log = logging.getLogger("stages.evaluate")
@@ -58,6 +60,12 @@ def check_val_split() -> None:
 
 
 def main(params: Params) -> None:
+    with lock_outputs(OUT.parent, "evaluate"):
+        evaluate(params)
+
+
+def evaluate(params: Params) -> None:
+    """Compute the metrics and write them (and the feature cache)."""
     cfg = params.eval
     check_val_split()  # before any process starts or any sample is generated
     context = join(params, "stages.evaluate")

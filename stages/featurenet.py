@@ -4,7 +4,8 @@ Inputs: params ``seed``, ``devices``, ``determinism``, ``featurenet``; ``data/tr
 ``data/val.lmdb``.
 Outputs: ``models/featurenet.pt`` (frozen weights), ``models/featurenet.sha256`` (their
 hash, ``sha256sum`` format), ``metrics/featurenet.json`` (held-out accuracy). All written
-atomically.
+atomically, under a lock on ``models/``: a second featurenet fails at once, naming the pid of
+the first.
 Command: ``python -m stages.featurenet``
 """
 
@@ -23,7 +24,8 @@ from ganpipe import runtime
 from ganpipe.checkpoint import torch_bytes, write_bytes_atomic
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.store import check_pair
-from ganpipe.featurenet import record, train_featurenet
+from ganpipe.featurenet import classes_for, record, train_featurenet
+from ganpipe.files import locked_dir
 from ganpipe.params import Params
 from stages._cli import TRAIN_LMDB, VAL_LMDB
 
@@ -32,14 +34,20 @@ METRICS = Path("metrics/featurenet.json")
 
 
 def main(params: Params) -> None:
+    with locked_dir(WEIGHTS.parent, "featurenet"):
+        train_and_save(params)
+
+
+def train_and_save(params: Params) -> None:
+    """Train the feature network and write its weights, their hash and its accuracy."""
     runtime.configure_runtime(params.seed, params.devices, params.determinism)
     device = runtime.resolve_device(params.devices)
     train_set = LmdbImageDataset(TRAIN_LMDB)
     val_set = LmdbImageDataset(VAL_LMDB)
     check_pair(train_set.meta, val_set.meta, TRAIN_LMDB, VAL_LMDB)
-    meta = train_set.meta
-    shape = tuple(meta["shape"])
-    classes = sum(1 for count in meta["class_counts"] if count > 0)
+    val_set.class_counts()  # checked too: held-out accuracy compares its labels
+    classes = classes_for(train_set.class_counts())
+    shape = tuple(train_set.meta["shape"])
     result = train_featurenet(
         params.featurenet, params.seed, train_set, val_set, classes, shape, device
     )

@@ -9,6 +9,8 @@ Beside the outputs (git-ignored, not in dvc.lock: they are not reproducible byte
 measured curves ``perf/*`` and where the run ran (``machine.json``) in
 ``measurements/train``; full-state checkpoints in ``checkpoints/<run>/`` (a rerun resumes
 from the newest valid one of its run).
+While it runs, the stage holds a lock on ``checkpoints/`` (its run state; the lock covers
+every file above): a second train fails at once, naming the pid of the first.
 Command: ``python -m stages.train``
 """
 
@@ -39,7 +41,7 @@ from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.loop import TrainingInterrupted, train
 from ganpipe.params import Params
 from stages._cli import TRAIN_LMDB
-from stages._launch import join
+from stages._launch import join, lock_outputs
 
 log = logging.getLogger("stages.train")
 MODELS = Path("models")
@@ -177,6 +179,12 @@ class StopRequest:
 
 
 def main(params: Params) -> None:
+    with lock_outputs(CHECKPOINTS, "train"):
+        train_and_save(params)
+
+
+def train_and_save(params: Params) -> None:
+    """Train (resuming this run's newest checkpoint) and write the models and the logs."""
     context = join(params, "stages.train")
     try:
         dataset = LmdbImageDataset(TRAIN_LMDB, as_uint8=True)

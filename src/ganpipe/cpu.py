@@ -21,9 +21,12 @@ AVX2 machine (measured, see docs/reproducibility.md). ``determinism.cpu_isa`` ch
   convolutions); the bits hold for this CPU model only.
 
 These libraries read their variables once, when they initialise, so :func:`pin` must run
-before anything imports torch; it refuses to run after. This module imports nothing that
-imports torch. It is the one place of the library that reads and writes environment
-variables: the process environment is what it manages (the stages call it first thing).
+before anything imports torch; it refuses to run after. The same holds for the GPUs a
+process may use: CUDA reads ``CUDA_VISIBLE_DEVICES`` once, when it initialises, so
+:func:`pin_gpus` sets it from ``devices.gpus`` at the same moment. This module imports
+nothing that imports torch. It is the one place of the library that reads and writes
+environment variables: the process environment is what it manages (the stages call it
+first thing).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from ganpipe.params import DeterminismParams, DevicesParams
@@ -66,10 +70,15 @@ SUMMARY_FLAGS = (
 )
 
 _pinned: str | None = None
+_pinned_gpus: list[int] | None = None
 
 
 class CpuError(ValueError):
     """This CPU cannot run the requested mode (a user error: the message names the fix)."""
+
+
+class GpuSelectionError(ValueError):
+    """``devices.gpus`` contradicts the GPUs the environment already selects."""
 
 
 def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, object]:
@@ -151,6 +160,61 @@ def pin(determinism: DeterminismParams, devices: DevicesParams) -> None:
     check_cpu(determinism.cpu_isa)
     os.environ.update(wanted)
     _pinned = determinism.cpu_isa
+
+
+def gpu_env(devices: DevicesParams, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables :func:`pin_gpus` sets for ``devices`` in the environment ``environ``.
+
+    A list in ``devices.gpus`` becomes ``CUDA_VISIBLE_DEVICES``, so that CUDA numbers the
+    selected GPUs 0, 1, ... in every process, the only one as well as torchrun's workers
+    (which inherit it). The indices are nvidia-smi's: ``CUDA_DEVICE_ORDER=PCI_BUS_ID``
+    unless the environment chooses an order. ``all`` (or ``devices.accelerator: cpu``)
+    sets nothing: whatever the environment selects stays selected.
+
+    Raises:
+        GpuSelectionError: the environment selects other GPUs already (a scheduler's
+            ``CUDA_VISIBLE_DEVICES``); silently overriding it could take another job's GPU.
+    """
+    if devices.accelerator == "cpu" or not isinstance(devices.gpus, list):
+        return {}
+    wanted = ",".join(map(str, devices.gpus))
+    current = environ.get("CUDA_VISIBLE_DEVICES")
+    if current is not None and current.replace(" ", "") != wanted:
+        raise GpuSelectionError(
+            f"devices.gpus={devices.gpus} but the environment already selects "
+            f"CUDA_VISIBLE_DEVICES={current!r} (set by you or a job scheduler); set "
+            "devices.gpus: all to use the GPUs the environment gives, or unset "
+            "CUDA_VISIBLE_DEVICES to use devices.gpus"
+        )
+    env = {"CUDA_VISIBLE_DEVICES": wanted}
+    if "CUDA_DEVICE_ORDER" not in environ:
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    return env
+
+
+def pin_gpus(devices: DevicesParams) -> None:
+    """Make ``devices.gpus`` the GPUs of this process; call before importing torch.
+
+    Child processes (torchrun's workers) inherit the variables, and pin again themselves
+    (to the same values).
+
+    Raises:
+        RuntimeError: torch is imported already (CUDA may have read the variable).
+        GpuSelectionError: see :func:`gpu_env`.
+    """
+    global _pinned_gpus
+    if "torch" in sys.modules:
+        raise RuntimeError(
+            "ganpipe.cpu.pin_gpus() called after torch was imported: CUDA reads "
+            "CUDA_VISIBLE_DEVICES when it initialises; call it first thing in the entry point"
+        )
+    os.environ.update(gpu_env(devices, os.environ))
+    _pinned_gpus = list(devices.gpus) if isinstance(devices.gpus, list) else None
+
+
+def pinned_gpus() -> list[int] | None:
+    """The ``devices.gpus`` list this process was pinned to, or None (``all``, or never)."""
+    return _pinned_gpus
 
 
 def pinned_mode() -> str | None:

@@ -125,6 +125,15 @@ def accuracy(net: FeatureNet, dataset: Dataset, task: str, device: torch.device)
     return right / total
 
 
+def classes_for(class_counts: list[int]) -> int:
+    """``classes`` of :func:`train_featurenet` for a dataset with ``class_counts`` images per
+    label: the classifier needs an output for every label up to the last one present, an
+    empty class before it included (``data.on_bad_image: skip`` keeps an empty class
+    folder's label); fewer than 2 labels present means rotation prediction."""
+    present = [label for label, count in enumerate(class_counts) if count > 0]
+    return present[-1] + 1 if len(present) >= 2 else len(present)
+
+
 def train_featurenet(
     cfg: FeaturenetParams,
     seed: int,

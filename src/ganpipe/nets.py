@@ -8,6 +8,7 @@ sigmoid lives in the loss, where it is numerically safe under autocast.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 
@@ -47,6 +48,32 @@ def _num_doublings(image_size: int) -> int:
     return int(math.log2(image_size)) - 2
 
 
+class _KeepBuffers:
+    """Recomputation context of :func:`torch.utils.checkpoint`: the buffers of ``block``
+    (BatchNorm's running statistics) end as they were before the recomputation.
+
+    In training mode BatchNorm updates ``running_mean``, ``running_var`` and
+    ``num_batches_tracked`` on every call, the recomputation in backward included: without
+    this a checkpointed step counts each batch twice. Its output does not depend on them
+    (training mode normalises with the batch's statistics), so restoring them afterwards
+    leaves the step bit-for-bit the step without checkpointing. A class, not a generator:
+    a second backward through a retained graph recomputes again with the same context.
+    """
+
+    def __init__(self, block: nn.Module):
+        self.block = block
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        self.saved = [(buffer, buffer.clone()) for buffer in self.block.buffers()]
+
+    def __exit__(self, *exc: object) -> None:
+        with torch.no_grad():
+            for buffer, value in self.saved:
+                buffer.copy_(value)
+        self.saved = []
+
+
 class _Blocks(nn.Module):
     """A chain of blocks, optionally with activation checkpointing per block."""
 
@@ -59,9 +86,14 @@ class _Blocks(nn.Module):
         for block in self.main:
             if self.checkpointing and torch.is_grad_enabled():
                 # Non-reentrant: works with inputs that need no grad, and with
-                # backward(inputs=...). Recomputation replays the RNG state; BatchNorm's
-                # running statistics see the recomputed batch once more.
-                x = checkpoint(block, x, use_reentrant=False)
+                # backward(inputs=...). Recomputation replays the RNG state and restores
+                # the block's buffers (running statistics) when it is done.
+                x = checkpoint(
+                    block,
+                    x,
+                    use_reentrant=False,
+                    context_fn=lambda block=block: (contextlib.nullcontext(), _KeepBuffers(block)),
+                )
             else:
                 x = block(x)
         return x

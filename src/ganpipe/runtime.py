@@ -39,44 +39,76 @@ def seeded_generator(base_seed: int, *purpose: object) -> torch.Generator:
 
 
 def wants_cuda(devices: DevicesParams) -> bool:
-    """Whether the run uses CUDA (accelerator cuda, or auto with a GPU present)."""
+    """Whether the run uses CUDA: accelerator cuda, or auto with a GPU present or listed.
+
+    A list in ``devices.gpus`` asks for those GPUs: with auto, a listed GPU that does not
+    exist is an error (:func:`check_gpus`), not a silent run on the CPU.
+    """
+    if devices.accelerator == "auto" and isinstance(devices.gpus, list) and devices.gpus:
+        return True
     return devices.accelerator == "cuda" or (
         devices.accelerator == "auto" and torch.cuda.is_available()
     )
 
 
 def check_gpus(devices: DevicesParams) -> None:
-    """Fail before launching when the selected GPUs cannot host the processes."""
+    """Fail before any work when the selected GPUs cannot host the processes.
+
+    CUDA sees only the GPUs of ``devices.gpus`` (:func:`ganpipe.cpu.pin_gpus` made them
+    ``CUDA_VISIBLE_DEVICES`` before torch loaded) and numbers them from 0. A listed GPU that
+    does not exist hides itself and every one listed after it, so fewer visible GPUs than
+    listed means the first missing one is at that position in the list.
+
+    Raises:
+        ValueError: this process was not pinned to ``devices.gpus``, CUDA sees no GPU, a
+            listed GPU does not exist, or there are more processes than GPUs.
+    """
+    gpus = devices.gpus
+    if isinstance(gpus, list) and cpu.pinned_gpus() != gpus:
+        raise ValueError(
+            f"devices.gpus={gpus} but this process did not select them before torch was "
+            "imported (CUDA would number all GPUs); call "
+            "ganpipe.cpu.pin_gpus(params.devices) first thing in the entry point (the stages "
+            "do), or run the stage as `python -m stages.NAME`"
+        )
+    if gpus == []:
+        raise ValueError(
+            f"devices.gpus=[] selects no GPU but devices.accelerator={devices.accelerator}; "
+            "list GPUs in devices.gpus or use devices.accelerator=cpu"
+        )
     available = torch.cuda.device_count()
+    if isinstance(gpus, list) and available < len(gpus):
+        fix = "list this machine's GPUs with `nvidia-smi -L` and name existing ones"
+        if available == 0:
+            raise ValueError(
+                f"devices.gpus={gpus} but CUDA sees none of them: this machine has no GPU "
+                f"{gpus[0]} (or no CUDA); {fix}, or use devices.accelerator=cpu"
+            )
+        raise ValueError(
+            f"devices.gpus={gpus} names GPU {gpus[available]}, which this machine lacks "
+            f"(CUDA sees {available} of the {len(gpus)} listed); {fix}"
+        )
     if available == 0:
         raise ValueError(
             "devices.accelerator=cuda but CUDA is not available on this machine; "
             "use devices.accelerator=auto or cpu"
         )
-    selected = devices.gpus if isinstance(devices.gpus, list) else list(range(available))
-    missing = [g for g in selected if g >= available]
-    if missing:
-        raise ValueError(
-            f"devices.gpus={devices.gpus} names GPU(s) {missing}, but this "
-            f"machine has {available} (0..{available - 1})"
-        )
-    if devices.nproc_per_node > len(selected):
+    selected = len(gpus) if isinstance(gpus, list) else available
+    if devices.nproc_per_node > selected:
         raise ValueError(
             f"devices.nproc_per_node={devices.nproc_per_node} is more than the "
-            f"{len(selected)} GPU(s) selected by devices.gpus={devices.gpus}; lower it"
+            f"{selected} GPU(s) selected by devices.gpus={gpus}; lower it"
         )
 
 
 def resolve_device(devices: DevicesParams) -> torch.device:
-    """The torch device for ``devices.accelerator`` (auto: CUDA when available)."""
-    if devices.accelerator == "cuda" or (
-        devices.accelerator == "auto" and torch.cuda.is_available()
-    ):
-        if not torch.cuda.is_available():
-            raise ValueError(
-                "devices.accelerator=cuda but CUDA is not available on this machine; "
-                "use devices.accelerator=auto or cpu"
-            )
+    """The torch device for ``devices`` (auto: CUDA when available or GPUs are listed).
+
+    Raises:
+        ValueError: CUDA is wanted but the selected GPUs are missing (:func:`check_gpus`).
+    """
+    if wants_cuda(devices):
+        check_gpus(devices)
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

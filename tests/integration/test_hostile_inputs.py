@@ -307,6 +307,11 @@ GOOD_META = {
         ({**GOOD_META, "shape": [8, 8]}, "shape=[8, 8] (expected [height, width, channels]"),
         ({**GOOD_META, "shape": [8, 0, 1]}, "shape=[8, 0, 1]"),
         ({**GOOD_META, "class_counts": 3}, "class_counts=3 (expected a list"),
+        ({**GOOD_META, "class_counts": [2, 0]}, "class_counts=[2, 0] add up to 2, not count=1"),
+        (
+            {**GOOD_META, "class_counts": [1], "classes": ["a", "b"]},
+            "class_counts has 1 entries but classes names 2",
+        ),
         ({k: v for k, v in GOOD_META.items() if k != "count"}, "count=missing"),
     ],
 )
@@ -337,6 +342,82 @@ def test_a_stage_reading_a_bad_meta_record_exits_cleanly(tmp_path, monkeypatch, 
     assert err.startswith("error: data/train.lmdb: the meta record is a JSON list"), err
     assert "Traceback" not in err
     assert dir_digest(tmp_path) == before
+
+
+def relabel_first(db: Path, old: int, new: int) -> None:
+    """Give the first record labelled ``old`` in ``db`` the label ``new``, meta unchanged."""
+    env = lmdb.open(str(db), lock=False, subdir=True)
+    with env.begin(write=True) as txn:
+        for key, value in txn.cursor():
+            if key != META_KEY and LABEL.unpack_from(value)[0] == old:
+                txn.put(key, LABEL.pack(new) + value[LABEL.size :])
+                break
+    env.close()
+
+
+def featurenet_project(root: Path, classes: dict[str, int], **data) -> Path:
+    """root/data/ prepared from class folders of ``n`` tiny images each (0: empty)."""
+    for name, n in classes.items():
+        (root / "images" / name).mkdir(parents=True)
+        for i in range(n):
+            solid_image(root / "images" / name / f"{i}.png", (40 * i, 80, 0))
+    raw = {"source": "folder", "path": "images", "image_size": 16, "channels": 1, **data}
+    prepare_dataset(DataParams(**raw), 0, root / "data", root=root, progress=False)
+    (root / "params.yaml").write_text(
+        yaml.safe_dump(
+            {"data": raw, "devices": {"accelerator": "cpu"}, "featurenet": {"epochs": 1}}
+        )
+    )
+    return root
+
+
+@pytest.mark.parametrize(
+    ("split", "label", "words"),
+    [
+        ("train", 7, "record(s) have labels outside 0..1 (e.g. 7), the 2 classes of the meta"),
+        (
+            "val",
+            1,
+            "hold [1, 3] images per label but the meta record's class_counts says [2, 2]",
+        ),
+    ],
+)
+def test_featurenet_checks_the_labels_against_the_meta_record(
+    tmp_path, monkeypatch, capsys, split, label, words
+):
+    from stages import _cli
+    from stages import featurenet as featurenet_stage
+
+    project = featurenet_project(tmp_path, {"a": 4, "b": 4}, val_fraction=0.5)
+    relabel_first(project / "data" / f"{split}.lmdb", 0, label)
+    (project / "models").mkdir()
+    (project / "models" / "featurenet.pt").write_bytes(b"previous weights")
+    before = dir_digest(project)
+    monkeypatch.chdir(project)
+    monkeypatch.setattr(sys, "argv", ["featurenet"])
+    with pytest.raises(SystemExit) as exited:
+        _cli.run(featurenet_stage.main, "featurenet")
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: data/{split}.lmdb: "), err
+    assert words in err and err.rstrip().endswith("rebuild it with `dvc repro prepare`"), err
+    assert "Traceback" not in err
+    assert dir_digest(project) == before
+
+
+def test_featurenet_trains_with_an_empty_class_between_others(tmp_path, monkeypatch):
+    """on_bad_image: skip keeps an empty class folder's label: labels 0 and 2, no 1. The
+    classifier counted the non-empty classes (2) and label 2 was out of its range."""
+    from stages import featurenet as featurenet_stage
+
+    project = featurenet_project(
+        tmp_path, {"a": 4, "b": 0, "c": 4}, val_fraction=0.25, on_bad_image="skip"
+    )
+    assert read_meta(project / "data" / "train.lmdb")["class_counts"] == [3, 0, 3]
+    monkeypatch.chdir(project)
+    featurenet_stage.main(Params.model_validate(yaml.safe_load(Path("params.yaml").read_text())))
+    metrics = json.loads(Path("metrics/featurenet.json").read_text())
+    assert metrics["task"] == "classification" and metrics["classes"] == 3
 
 
 # --- disk full ---------------------------------------------------------------------------
@@ -512,3 +593,109 @@ def test_a_second_generate_fails_at_once_leaving_the_first_ones_files(tmp_path, 
     with locked_dir(Path("samples"), "generate"), busy:
         generate_stage.main(params)
     assert (running / "000000.png").read_bytes() == b"being written"
+
+
+@pytest.mark.parametrize(
+    ("stage", "folder", "previous"),
+    [
+        ("train", "checkpoints", ["models/g_ema.pt", "checkpoints/abc/ckpt-000001.pt"]),
+        ("featurenet", "models", ["models/featurenet.pt", "metrics/featurenet.json"]),
+        ("evaluate", "metrics/eval", ["metrics/eval/metrics.json"]),
+    ],
+)
+def test_a_second_train_featurenet_or_evaluate_fails_at_once(
+    tmp_path, monkeypatch, capsys, stage, folder, previous
+):
+    # In-process through the stages' own error handling: the lock is taken before any data,
+    # model or torch work, so a subprocess would only add its ~10 s of imports.
+    import importlib
+
+    from stages import _cli
+
+    module = importlib.import_module(f"stages.{stage}")
+    write_params(tmp_path, {})
+    for name in previous:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"the first run's")
+    before = dir_digest(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [stage])
+    with locked_dir(Path(folder), stage), pytest.raises(SystemExit) as exited:
+        _cli.run(module.main, stage)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"error: {folder}/ is being written by process {os.getpid()} (another `{stage}` run?); "
+        f"wait for it to finish, or stop it, then rerun `{stage}`"
+    ), err
+    assert "Traceback" not in err
+    assert dir_digest(tmp_path) == before
+
+
+# --- devices.gpus --------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 9, reason="this machine has a GPU 9")
+def test_a_listed_gpu_the_machine_lacks_stops_the_stage(tmp_path):
+    """The stage selects devices.gpus before torch loads (CUDA then sees none of them) and
+    says so, instead of running on GPU 0 or, with accelerator auto, on the CPU."""
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"devices": {"gpus": [9]}}))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "featurenet.pt").write_bytes(b"previous weights")
+    before = dir_digest(tmp_path)
+    message = stage_error(run_stage(tmp_path, "featurenet", timeout=120))
+    assert message.startswith(
+        "error: devices.gpus=[9] but CUDA sees none of them: this machine has no GPU 9 (or no "
+        "CUDA); list this machine's GPUs with `nvidia-smi -L` and name existing ones"
+    ), message
+    assert dir_digest(tmp_path) == before
+
+
+# --- the plots page (reports/build.py) ----------------------------------------------------
+
+
+def test_the_report_build_clears_what_a_killed_build_left(tmp_path):
+    from reports.build import ReportError, build_report
+
+    page = tmp_path / "reports" / "plots"
+    (page / "vendor").mkdir(parents=True)
+    (page / "index.html").write_text("the previous page")
+    leftovers = [
+        tmp_path / "reports" / ".plots.tmp-4242",  # this module's staging folder
+        tmp_path / "reports" / ".plots.old-4242",  # replace_dir's aside, where no exchange
+        tmp_path / "reports" / ".plots.k1_ll3d0",  # tempfile's name, before
+    ]
+    for folder in leftovers:
+        (folder / "new").mkdir(parents=True)
+        (folder / "new" / "index.html").write_text("half a page")
+    keep = [tmp_path / "reports" / ".plots.notes", tmp_path / "reports" / "build.py"]
+    for path in keep:  # not a build's: stays
+        path.write_text("mine")
+    before = dir_digest(page)
+    # No vega bundles: the build fails after clearing, before rendering anything.
+    with pytest.raises(ReportError, match="make setup"):
+        build_report(tmp_path, Path("reports/plots"), node_modules=tmp_path / "none")
+    assert not any(p.exists() for p in leftovers)
+    assert all(p.read_text() == "mine" for p in keep)
+    assert dir_digest(page) == before
+
+
+def test_a_second_report_build_fails_at_once(tmp_path):
+    (tmp_path / "reports" / ".plots.tmp-4242").mkdir(parents=True)  # the running one's
+    (tmp_path / "reports" / ".plots.tmp-4242" / "index.html").write_text("being written")
+    before = dir_digest(tmp_path)
+    with locked_dir(tmp_path / "reports", "reports.build"):
+        result = subprocess.run(
+            [sys.executable, "-m", "reports.build", "--node-modules", str(tmp_path)],
+            cwd=tmp_path,
+            env=stage_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    message = stage_error(result)
+    assert message.startswith(
+        f"error: {tmp_path}/reports/ is being written by process {os.getpid()} (another "
+        "`reports.build` run?)"
+    ), message
+    assert dir_digest(tmp_path) == before

@@ -85,3 +85,93 @@ def test_a_process_pinned_to_another_mode_is_refused():
     assert torch.backends.cpu.get_cpu_capability() == "AVX2"
     assert torch.backends.mkldnn.enabled is False
     assert runtime.mkl_cbwr() == "COMPATIBLE"  # as MKL itself reports it
+
+
+# --- devices.gpus: CUDA_VISIBLE_DEVICES set before torch loads, in every stage -------------
+
+
+def test_a_gpu_list_becomes_cuda_visible_devices_in_nvidia_smi_order():
+    devices = DevicesParams(gpus=[1])
+    assert cpu.gpu_env(devices, {}) == {
+        "CUDA_VISIBLE_DEVICES": "1",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+    }
+    two = DevicesParams(gpus=[3, 1], nproc_per_node=2)
+    assert cpu.gpu_env(two, {"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}) == {
+        "CUDA_VISIBLE_DEVICES": "3,1"  # an order the user chose stays
+    }
+    # torchrun's workers inherit the launcher's selection and pin it again: the same value
+    assert cpu.gpu_env(two, {"CUDA_VISIBLE_DEVICES": "3,1"})["CUDA_VISIBLE_DEVICES"] == "3,1"
+    # all (the default) and CPU runs leave whatever the environment selects alone
+    assert cpu.gpu_env(DevicesParams(), {"CUDA_VISIBLE_DEVICES": "2"}) == {}
+    assert cpu.gpu_env(DevicesParams(accelerator="cpu", gpus=[1]), {}) == {}
+
+
+def test_a_gpu_list_contradicting_the_environment_is_refused():
+    with pytest.raises(cpu.GpuSelectionError) as caught:
+        cpu.gpu_env(DevicesParams(gpus=[1]), {"CUDA_VISIBLE_DEVICES": "2,3"})
+    message = str(caught.value)
+    assert "devices.gpus=[1]" in message and "CUDA_VISIBLE_DEVICES='2,3'" in message
+    assert "set devices.gpus: all" in message and "unset CUDA_VISIBLE_DEVICES" in message
+
+
+def test_selecting_gpus_after_torch_is_loaded_is_refused():
+    with pytest.raises(RuntimeError, match="after torch was imported"):
+        cpu.pin_gpus(DevicesParams(gpus=[1]))
+
+
+@pytest.fixture
+def visible_gpus(monkeypatch):
+    """Pretend this process was pinned to a GPU list and CUDA sees ``n`` GPUs."""
+
+    def pretend(pinned, n):
+        monkeypatch.setattr(cpu, "_pinned_gpus", pinned)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+    return pretend
+
+
+@pytest.mark.parametrize(
+    ("gpus", "seen", "words"),
+    [
+        # CUDA_VISIBLE_DEVICES=1 on a one-GPU machine: CUDA sees nothing
+        ([1], 0, "devices.gpus=[1] but CUDA sees none of them: this machine has no GPU 1"),
+        # =0,5 on a two-GPU machine: 5 hides itself (and all listed after it)
+        ([0, 5], 1, "devices.gpus=[0, 5] names GPU 5, which this machine lacks (CUDA sees 1 "),
+        ([], 0, "devices.gpus=[] selects no GPU but devices.accelerator=cuda"),
+    ],
+)
+def test_a_listed_gpu_the_machine_lacks_is_an_error_naming_it(visible_gpus, gpus, seen, words):
+    visible_gpus(gpus, seen)
+    devices = DevicesParams(accelerator="cuda", gpus=gpus)
+    with pytest.raises(ValueError) as caught:
+        runtime.check_gpus(devices)
+    assert words in str(caught.value)
+    assert "nvidia-smi -L" in str(caught.value) or "use devices.accelerator=cpu" in str(
+        caught.value
+    )
+
+
+def test_listed_gpus_that_exist_pass_and_too_many_processes_do_not(visible_gpus):
+    visible_gpus([2, 3], 2)
+    runtime.check_gpus(DevicesParams(gpus=[2, 3], nproc_per_node=2))
+    visible_gpus(None, 1)
+    with pytest.raises(ValueError, match="nproc_per_node=2 is more than the 1 GPU"):
+        runtime.check_gpus(DevicesParams(nproc_per_node=2))
+
+
+def test_a_gpu_list_in_a_process_that_did_not_select_it_is_refused(visible_gpus):
+    # CUDA would number every GPU from 0 and train on the first: the bug of issue 13
+    visible_gpus(None, 2)
+    with pytest.raises(ValueError, match=r"devices.gpus=\[1\] but this process did not select"):
+        runtime.check_gpus(DevicesParams(gpus=[1]))
+
+
+def test_auto_with_a_listed_gpu_that_is_missing_does_not_fall_back_to_the_cpu(visible_gpus):
+    visible_gpus([1], 0)
+    with pytest.raises(ValueError, match="this machine has no GPU 1"):
+        runtime.resolve_device(DevicesParams(gpus=[1]))  # accelerator auto
+    visible_gpus(None, 0)
+    if not torch.cuda.is_available():
+        assert runtime.resolve_device(DevicesParams(gpus=[])).type == "cpu"
+        assert runtime.resolve_device(DevicesParams()).type == "cpu"

@@ -11,7 +11,7 @@ import torch
 
 from ganpipe import evaluation
 from ganpipe.evaluation import ExtractorError
-from ganpipe.featurenet import rotated, train_featurenet
+from ganpipe.featurenet import classes_for, rotated, train_featurenet
 from ganpipe.params import FeaturenetParams
 from ganpipe.sampling import sample_latents, slerp
 
@@ -194,3 +194,11 @@ def test_single_class_data_trains_rotation_prediction():
     )
     for a, b in zip(result.net.state_dict().values(), again.net.state_dict().values(), strict=True):
         assert torch.equal(a, b)  # deterministic from the seed
+
+
+def test_the_classifier_has_an_output_for_every_label_present():
+    assert classes_for([5, 3]) == 2
+    assert classes_for([5, 0, 3]) == 3  # an empty class between two keeps its label
+    assert classes_for([5, 3, 0]) == 2  # a trailing empty class needs no output
+    assert classes_for([0, 0, 4]) == 1  # one class present: rotation prediction
+    assert classes_for([]) == 0

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ganpipe.data.store import LABEL, open_readonly, read_meta, record_key
+from ganpipe.data.store import LABEL, DatasetError, open_readonly, read_meta, record_key
 
 
 def uint8_to_float(images: torch.Tensor) -> torch.Tensor:
@@ -90,6 +90,34 @@ class LmdbImageDataset(Dataset):
                     self._hwc
                 )
         return out
+
+    def class_counts(self) -> list[int]:
+        """Images per label (label ``i`` at index ``i``), as the meta record says and every
+        record confirms.
+
+        Raises:
+            DatasetError: the meta record has no ``class_counts``, or the records' labels
+                disagree with it (a label outside ``0..len(class_counts)-1``, or other counts).
+        """
+        fix = "rebuild it with `dvc repro prepare`"
+        counts = self.meta.get("class_counts")
+        if counts is None:
+            raise DatasetError(f"{self.path}: the meta record has no class_counts; {fix}")
+        labels = self.labels()
+        outside = labels[(labels < 0) | (labels >= len(counts))]
+        if outside.size:
+            raise DatasetError(
+                f"{self.path}: {outside.size} record(s) have labels outside "
+                f"0..{len(counts) - 1} (e.g. {outside[0]}), the {len(counts)} classes of the "
+                f"meta record's class_counts; {fix}"
+            )
+        found = np.bincount(labels, minlength=len(counts)).tolist()
+        if found != counts:
+            raise DatasetError(
+                f"{self.path}: the records hold {found} images per label but the meta record's "
+                f"class_counts says {counts}; {fix}"
+            )
+        return counts
 
     def labels(self) -> np.ndarray:
         """All labels as an int64 array."""

@@ -281,6 +281,16 @@ def _check_meta_fields(path: Path, meta: dict[str, Any]) -> None:
         for key, (valid, words) in _OPTIONAL_META_FIELDS.items()
         if key in meta and not valid(meta[key])
     ]
+    if not problems and "class_counts" in meta:
+        counts = meta["class_counts"]
+        if sum(counts) != meta["count"]:
+            problems.append(
+                f"class_counts={show(counts)} add up to {sum(counts)}, not count={meta['count']}"
+            )
+        if "classes" in meta and len(meta["classes"]) != len(counts):
+            problems.append(
+                f"class_counts has {len(counts)} entries but classes names {len(meta['classes'])}"
+            )
     if problems:
         raise DatasetError(
             f"{path}: the meta record has bad field(s): {'; '.join(problems)}; "
