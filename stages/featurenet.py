@@ -22,7 +22,7 @@ from pathlib import Path
 from ganpipe import runtime
 from ganpipe.checkpoint import torch_bytes, write_bytes_atomic
 from ganpipe.data.dataset import LmdbImageDataset
-from ganpipe.data.store import check_pair
+from ganpipe.data.store import check_pair, check_val_not_empty
 from ganpipe.featurenet import record, train_featurenet
 from ganpipe.params import Params
 from stages._cli import TRAIN_LMDB, VAL_LMDB
@@ -37,6 +37,7 @@ def main(params: Params) -> None:
     train_set = LmdbImageDataset(TRAIN_LMDB)
     val_set = LmdbImageDataset(VAL_LMDB)
     check_pair(train_set.meta, val_set.meta, TRAIN_LMDB, VAL_LMDB)
+    check_val_not_empty(val_set.meta, VAL_LMDB)
     meta = train_set.meta
     shape = tuple(meta["shape"])
     classes = sum(1 for count in meta["class_counts"] if count > 0)
