@@ -104,9 +104,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "png"
         make_images(folder, args.num_images)
-        data = DataParams(
-            source="folder", path=str(folder), image_size=32, channels=3, val_fraction=0.0
-        )
+        # Every image in train: the schema refuses val_fraction 0 for the pipeline (featurenet
+        # and evaluate need a val split); prepare_dataset itself writes an empty val split.
+        data = DataParams(source="folder", path=str(folder), image_size=32, channels=3)
+        data = data.model_copy(update={"val_fraction": 0.0})
         prepare_rates = []
         for run in range(args.runs):
             report = prepare_dataset(data, 0, Path(tmp) / f"lmdb{run}", progress=False)

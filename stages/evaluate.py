@@ -30,7 +30,7 @@ import torch
 from ganpipe import dist, evaluation, runtime
 from ganpipe.checkpoint import write_bytes_atomic
 from ganpipe.data.dataset import LmdbImageDataset
-from ganpipe.data.store import check_pair, read_meta
+from ganpipe.data.store import check_pair, check_val_not_empty, read_meta
 from ganpipe.params import Params
 from stages._cli import TRAIN_LMDB, VAL_LMDB
 from stages._launch import join, lock_outputs
@@ -49,12 +49,13 @@ def extractor_for(params: Params) -> torch.nn.Module:
 
 
 def check_val_split() -> None:
-    """Refuse a val split that is not the pair of the train split beside it, if any.
+    """Refuse a val split that is empty or not the pair of the train split beside it, if any.
 
     Only val is read, but the generator was trained on train: the two must come from one
     prepare run (see :func:`ganpipe.data.store.check_pair`).
     """
     val_meta = read_meta(VAL_LMDB)
+    check_val_not_empty(val_meta, VAL_LMDB)
     if (TRAIN_LMDB / "data.mdb").exists():
         check_pair(read_meta(TRAIN_LMDB), val_meta, TRAIN_LMDB, VAL_LMDB)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from ganpipe import runtime
 from ganpipe.checkpoint import torch_bytes, write_bytes_atomic
 from ganpipe.data.dataset import LmdbImageDataset
-from ganpipe.data.store import check_pair
+from ganpipe.data.store import check_pair, check_val_not_empty
 from ganpipe.featurenet import classes_for, record, train_featurenet
 from ganpipe.files import locked_dir
 from ganpipe.params import Params
@@ -45,6 +45,7 @@ def train_and_save(params: Params) -> None:
     train_set = LmdbImageDataset(TRAIN_LMDB)
     val_set = LmdbImageDataset(VAL_LMDB)
     check_pair(train_set.meta, val_set.meta, TRAIN_LMDB, VAL_LMDB)
+    check_val_not_empty(val_set.meta, VAL_LMDB)
     val_set.class_counts()  # checked too: held-out accuracy compares its labels
     classes = classes_for(train_set.class_counts())
     shape = tuple(train_set.meta["shape"])

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ganpipe import cpu
-from ganpipe.params import Params
+from ganpipe.params import DataParams, Params
 
 # In-process tests compute in the default (portable) CPU mode, like the stages: pinned
 # before anything loads torch (configure_runtime refuses a process that was not).
@@ -54,6 +54,15 @@ def check_xdist_groups(config, items) -> None:
         )
         print(f"error: {message}", file=sys.__stderr__, flush=True)  # a worker's only way out
         pytest.exit(message, returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+def data_params(**data) -> DataParams:
+    """``DataParams(**data)``; ``val_fraction=0`` (every image in train, which prepare_dataset
+    allows) is set past the schema, which refuses it for the pipeline: featurenet and evaluate
+    need a val split."""
+    if data.get("val_fraction") == 0:
+        return DataParams(**{**data, "val_fraction": 0.5}).model_copy(update={"val_fraction": 0.0})
+    return DataParams(**data)
 
 
 def solid_image(path: Path, color, size=(12, 10), mode="RGB", fmt=None) -> Path:

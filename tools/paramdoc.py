@@ -21,7 +21,14 @@ import annotated_types
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from ganpipe.params import Params, ParamsError, parse_params
+from ganpipe.params import (
+    MAX_PARAMS_BYTES,
+    MAX_YAML_DEPTH,
+    MAX_YAML_NODES,
+    Params,
+    ParamsError,
+    parse_params,
+)
 from tools.doclinks import slug
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "parameters.md"
@@ -59,8 +66,25 @@ loader): `lr_g: 1e-3` is a number, `yes` / `no` are words (write `true` / `false
 given twice is an error. Overrides given to the Prefect flows follow the same rules.
 
 The **default** column is the schema's default: the value used when a key is left out of
-`params.yaml`. The committed `params.yaml` is the default run's configuration and may set
-other values; `dvc params diff` and `dvc exp show` show what a run used.
+`params.yaml`. It is also the committed `params.yaml`'s value (the default run's
+configuration): `tests/unit/test_params.py` fails when the two differ in any key, so a
+missing key never silently means another value. `dvc params diff` and `dvc exp show` show
+what a run used. Every number has an upper bound (lengths and intervals in kimg at most
+1,000,000: a billion images), so a value like `1e308` is refused by name instead of
+overflowing mid-run.
+
+**The file itself.** `params.yaml` must be UTF-8 text (a Latin-1 or UTF-16 file is refused
+with the byte and line), a regular file of at most {max_kib} KiB (the committed one is about
+5 KiB), nested at most {max_depth} levels, and at most {max_nodes} keys and values once YAML
+aliases (`*name`) are expanded. The last limit refuses "billion laughs" alias bombs (a few KB
+that expand to a billion values) within a second, naming the file; aliases that stay small
+work. **DVC itself hangs on such a file:** `dvc status`, `dvc repro` and `dvc exp run` load
+`params.yaml` into their `${{...}}` interpolation context, expanding every alias, before any
+stage starts (DVC 3.67.1 was still expanding a 441-byte bomb, memory growing, when stopped
+after 60 s), and nothing in this project can prevent that. If a DVC command hangs at start,
+stop it and check the file with
+`python -c "from ganpipe.params import load_params; load_params()"`: its last line names
+the problem.
 
 Rules across keys (checked too, named in the error): the DCGAN takes `data.image_size` 16, 32
 or 64; `train.batch_size` must be divisible by the world size (`devices.nproc_per_node` ×
@@ -85,7 +109,14 @@ def error_of(raw: dict[str, Any]) -> str:
 def header() -> str:
     example = {"data": {"image_size": 48}, "train": {"batch_size": 0, "strategy": "both"}}
     typo = error_of({"data": {"chanels": 3}}).splitlines()[1].removeprefix("  - ")
-    return HEADER.format(command=COMMAND, example_error=error_of(example), typo_error=typo)
+    return HEADER.format(
+        command=COMMAND,
+        example_error=error_of(example),
+        typo_error=typo,
+        max_kib=MAX_PARAMS_BYTES // 1024,
+        max_depth=MAX_YAML_DEPTH,
+        max_nodes=f"{MAX_YAML_NODES:,}",
+    )
 
 
 def render_value(value: Any) -> str:

@@ -14,6 +14,8 @@ them all with their dotted key paths, before any work starts.
 from __future__ import annotations
 
 import difflib
+import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -28,9 +30,30 @@ from pydantic import (
 )
 from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
+from ruamel.yaml.events import (
+    AliasEvent,
+    CollectionEndEvent,
+    CollectionStartEvent,
+    ScalarEvent,
+)
 
 #: Image sizes the DCGAN family supports (4x4 core doubled until the output size).
 DCGAN_IMAGE_SIZES = (16, 32, 64)
+
+#: Upper bound of every length and interval in kimg: a billion images. Without one, a value
+#: like 1e308 passes validation and overflows when the loop turns it into iterations.
+MAX_KIMG = 1_000_000
+#: Upper bound of the gradient penalty weights (train.gp_weight, train.r1_gamma).
+MAX_PENALTY_WEIGHT = 10_000
+
+#: Largest params file read: the committed params.yaml is about 5 KiB, and the YAML parser is
+#: pure Python (about 0.4 s per MiB).
+MAX_PARAMS_BYTES = 256 * 1024
+#: Most nodes (keys, values, lists) a params document may have with its aliases expanded;
+#: the committed params.yaml has about 150. Refuses "billion laughs" alias bombs.
+MAX_YAML_NODES = 10_000
+#: Deepest nesting of mappings and lists (params.yaml's deepest, train.betas, is level 3).
+MAX_YAML_DEPTH = 16
 
 
 class ParamsError(ValueError):
@@ -39,6 +62,9 @@ class ParamsError(ValueError):
     def __init__(self, source: str, problems: list[tuple[str, str]]):
         self.source = source
         self.problems = problems
+        if [key for key, _ in problems] == ["(file)"]:  # the file itself: one line
+            super().__init__(f"{source}: {problems[0][1]}")
+            return
         lines = [f"{source}: {len(problems)} problem(s) in params:"]
         lines += [f"  - {key}: {message}" for key, message in problems]
         super().__init__("\n".join(lines))
@@ -72,8 +98,10 @@ class DataParams(_Section):
     """Output side length in pixels (resize short side, then center crop)."""
     channels: Literal[1, 3] = 1
     """1 (grayscale, ITU-R 601-2 luma) or 3 (RGB)."""
-    val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
-    """Fraction of the images held out for validation, chosen by ``seed``."""
+    val_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    """Fraction of the images held out for validation, chosen by ``seed``. Above 0: the
+    featurenet stage measures its accuracy and the evaluate stage compares samples on this
+    split, so it must hold at least one image."""
     on_bad_image: Literal["error", "skip"] = "error"
     """error: stop at the first unreadable image, naming it; skip: leave it out and record it."""
 
@@ -96,13 +124,13 @@ class DevicesParams(_Section):
 
     accelerator: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when available, else CPU."""
-    gpus: Literal["all"] | list[Annotated[int, Field(ge=0)]] = "all"
+    gpus: Literal["all"] | list[Annotated[int, Field(ge=0, le=1023)]] = "all"
     """GPUs the workers may use: all, or a list of indices (becomes CUDA_VISIBLE_DEVICES)."""
     nproc_per_node: int = Field(1, ge=1, le=1024)
     """Training processes on this machine (one per GPU on CUDA)."""
     nnodes: int = Field(1, ge=1, le=4096)
     """Machines taking part; more than 1 uses torchrun's c10d rendezvous."""
-    node_rank: int = Field(0, ge=0)
+    node_rank: int = Field(0, ge=0, le=4095)
     """This machine's index among the nodes (0 .. nnodes-1)."""
     rdzv_endpoint: str = Field("127.0.0.1:29400", pattern=r"^[^\s:]+:\d{1,5}$")
     """host:port of the rendezvous (node 0's address) when nnodes > 1."""
@@ -130,6 +158,11 @@ class DevicesParams(_Section):
             problems.append(
                 "devices.backend=nccl needs CUDA but devices.accelerator=cpu; use backend gloo "
                 "or auto"
+            )
+        if int(self.rdzv_endpoint.rsplit(":", 1)[1]) > 65535:
+            problems.append(
+                f"devices.rdzv_endpoint={self.rdzv_endpoint} names a port above 65535; use a "
+                "free port of node 0, e.g. 29400"
             )
         if isinstance(self.gpus, list) and len(set(self.gpus)) != len(self.gpus):
             problems.append(f"devices.gpus={self.gpus} lists a GPU twice")
@@ -174,9 +207,9 @@ class ModelParams(_Section):
     """Network family. DCGAN (Radford et al. 2016) for 16, 32 or 64 pixel images."""
     z_dim: int = Field(100, ge=1, le=4096)
     """Latent vector length."""
-    g_width: int = Field(64, ge=1, le=1024)
+    g_width: int = Field(32, ge=1, le=1024)
     """Channels of the generator's last hidden layer; earlier layers double it."""
-    d_width: int = Field(64, ge=1, le=1024)
+    d_width: int = Field(32, ge=1, le=1024)
     """Channels of the discriminator's first layer; later layers double it."""
     norm: Literal["batch", "sync_batch", "instance", "layer", "spectral", "none"] = "batch"
     """Normalisation in G and D hidden layers. batch: BatchNorm (the paper's), statistics per
@@ -193,10 +226,12 @@ class TrainParams(_Section):
     loss: Literal["bce", "hinge", "wgan_gp"] = "bce"
     """bce: binary cross-entropy for D, non-saturating loss for G; hinge: hinge loss for D,
     -D(G(z)) for G; wgan_gp: Wasserstein critic with gradient penalty (use n_critic 5)."""
-    gp_weight: float = Field(10.0, ge=0)
-    """Weight λ of WGAN-GP's gradient penalty (only with loss wgan_gp)."""
-    r1_gamma: float = Field(0.0, ge=0)
-    """Weight γ of the R1 penalty γ/2·E||∇D(x)||² on real images, with any loss; 0 = off."""
+    gp_weight: float = Field(10.0, ge=0, le=MAX_PENALTY_WEIGHT)
+    """Weight λ of WGAN-GP's gradient penalty (only with loss wgan_gp). Gulrajani et al.
+    2017 use 10; at most 10,000."""
+    r1_gamma: float = Field(0.0, ge=0, le=MAX_PENALTY_WEIGHT)
+    """Weight γ of the R1 penalty γ/2·E||∇D(x)||² on real images, with any loss; 0 = off.
+    StyleGAN2-ADA's configurations use 0.01 (CIFAR-10) to 10; at most 10,000."""
     n_critic: int = Field(1, ge=1, le=100)
     """D updates per G update; each D update sees its own real batch."""
     batch_size: int = Field(64, ge=1, le=65536)
@@ -205,8 +240,9 @@ class TrainParams(_Section):
     """Micro-batches per optimizer step: each process runs batch_size / (world size x
     grad_accum) images at a time and adds up their gradients (less memory, same update with a
     per-sample norm)."""
-    kimg: float = Field(200.0, gt=0)
-    """Length of training, in thousands of real images shown to D."""
+    kimg: float = Field(100.0, gt=0, le=MAX_KIMG)
+    """Length of training, in thousands of real images shown to D; at most 1,000,000 (a
+    billion images; StyleGAN2 trains FFHQ for 25,000)."""
     optimizer: Literal["adam", "sgd"] = "adam"
     """adam (with betas) or plain sgd (no momentum; a baseline, and exact DDP checks)."""
     lr_g: float = Field(2.0e-4, gt=0, le=1.0)
@@ -216,23 +252,27 @@ class TrainParams(_Section):
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
     """How learning rates follow the batch size: lr * (batch_size / reference_batch) for
     linear, its square root for sqrt."""
-    reference_batch: int = Field(64, ge=1)
+    reference_batch: int = Field(64, ge=1, le=65536)
     """Batch size the learning rates were tuned for (with lr_scaling)."""
     betas: Annotated[
         tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]],
         BeforeValidator(_list_to_tuple),
     ] = (0.5, 0.999)
     """Adam (beta1, beta2)."""
-    ema_kimg: float = Field(10.0, ge=0)
-    """Half-life of the EMA of G's weights, in thousands of images; 0 turns EMA off."""
-    checkpoint_kimg: float = Field(20.0, gt=0)
-    """Interval of full-state checkpoints (exact resume), in thousands of images."""
+    ema_kimg: float = Field(5.0, ge=0, le=MAX_KIMG)
+    """Half-life of the EMA of G's weights, in thousands of images; 0 turns EMA off. At most
+    1,000,000, as train.kimg."""
+    checkpoint_kimg: float = Field(10.0, gt=0, le=MAX_KIMG)
+    """Interval of full-state checkpoints (exact resume), in thousands of images; at most
+    1,000,000, as train.kimg (a longer interval than the run checkpoints at the end only)."""
     keep_checkpoints: int = Field(2, ge=1, le=1000)
     """How many of the newest checkpoints of a run to keep."""
-    snapshot_kimg: float = Field(20.0, gt=0)
-    """Interval of progress grids (fixed latents) in the training log, in thousands of images."""
-    log_every_kimg: float = Field(1.0, gt=0)
-    """Interval of scalar logging (losses, D outputs, images/s), in thousands of images."""
+    snapshot_kimg: float = Field(10.0, gt=0, le=MAX_KIMG)
+    """Interval of progress grids (fixed latents) in the training log, in thousands of
+    images; at most 1,000,000, as train.kimg."""
+    log_every_kimg: float = Field(1.0, gt=0, le=MAX_KIMG)
+    """Interval of scalar logging (losses, D outputs, images/s), in thousands of images; at
+    most 1,000,000, as train.kimg."""
     activation_checkpointing: bool = False
     """Recompute each G and D block's activations in backward (torch.utils.checkpoint,
     non-reentrant) instead of storing them: less memory, one more forward per block."""
@@ -429,6 +469,15 @@ def _fields_at(loc: tuple[Any, ...]) -> list[str]:
     return list(model.model_fields)
 
 
+#: Why a key has the range it has, where the bound alone does not say (added to range errors).
+_RANGE_REASONS = {
+    "data.val_fraction": (
+        "the featurenet stage measures its accuracy and the evaluate stage compares samples on "
+        "the validation split, so both need one; use e.g. 0.1"
+    ),
+}
+
+
 def _describe(error: Mapping[str, Any]) -> tuple[str, str]:
     """Turn one pydantic error into ``(dotted_key, message with the fix)``."""
     loc = tuple(error["loc"])
@@ -449,7 +498,12 @@ def _describe(error: Mapping[str, Any]) -> tuple[str, str]:
         return key, str(error["msg"]).removeprefix("Value error, ")
     got = error.get("input")
     shown = "" if isinstance(got, Mapping) else f" (got {got!r})"
-    return key, f"{error['msg']}{shown}{_type_hint(kind, got)}"
+    reason = (
+        f"; {_RANGE_REASONS[key]}"
+        if key in _RANGE_REASONS and kind.startswith(("greater", "less"))
+        else ""
+    )
+    return key, f"{error['msg']}{shown}{_type_hint(kind, got)}{reason}"
 
 
 def _type_hint(kind: str, got: Any) -> str:
@@ -493,18 +547,51 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     """Read and validate params.yaml; the only reader of that file.
 
     Raises:
-        ParamsError: the file is missing, is not YAML, or holds invalid values (all listed).
+        ParamsError: the file is missing, unreadable, not UTF-8, too large, not YAML, holds
+            an alias bomb, or holds invalid values (all listed).
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ParamsError(str(path), [("(file)", "not found; run from the repo root")]) from None
-    try:
+        text = read_text_bounded(path)
         raw = read_yaml(text)
+    except (_FileProblem, YamlBudgetError) as exc:
+        raise ParamsError(str(path), [("(file)", str(exc))]) from None
     except YAMLError as exc:
         raise ParamsError(str(path), [("(file)", f"not valid YAML: {exc}")]) from None
     return parse_params(raw, str(path))
+
+
+class _FileProblem(Exception):
+    """The params file cannot be read as params YAML (the message says why and the fix)."""
+
+
+def read_text_bounded(path: Path) -> str:
+    """The UTF-8 text of ``path``, refusing what is not a regular file of at most
+    :data:`MAX_PARAMS_BYTES` (the parser is pure Python: a huge file would take minutes)."""
+    try:
+        # O_NONBLOCK: opening a FIFO named params.yaml must not wait for a writer.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise _FileProblem("not found; run from the repo root") from None
+    except OSError as exc:
+        raise _FileProblem(f"cannot be opened ({exc.strerror}); check its permissions") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _FileProblem("not a regular file; params must be a YAML file")
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_PARAMS_BYTES + 1)
+    if len(data) > MAX_PARAMS_BYTES:
+        raise _FileProblem(
+            f"larger than {MAX_PARAMS_BYTES // 1024} KiB (the committed params.yaml is about "
+            "5 KiB); it is not a params file, or shorten it"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise _FileProblem(
+            f"not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line}); save it as UTF-8"
+        ) from None
 
 
 def read_yaml(text: str) -> Any:
@@ -513,8 +600,68 @@ def read_yaml(text: str) -> Any:
     So ganpipe validates exactly the values DVC records and ``dvc exp run -S`` writes:
     ``1e-3`` is a number (PyYAML's YAML 1.1 reads it as a string), ``yes`` is a string, not
     a boolean, and a key given twice is an error instead of a silent override.
+
+    The document's shape is checked first, from the parser's events and before anything is
+    built (:func:`check_yaml_shape`): aliases that expand beyond :data:`MAX_YAML_NODES` (a
+    "billion laughs" bomb: a few KB that validation would walk for hours) and nesting beyond
+    :data:`MAX_YAML_DEPTH` (the composer recurses) are refused.
+
+    Raises:
+        YAMLError: invalid YAML, or a document beyond those budgets.
     """
+    check_yaml_shape(text)
     return YAML(typ="safe", pure=True).load(text)
+
+
+class YamlBudgetError(YAMLError):
+    """A YAML document too large once its aliases are expanded, or nested too deeply."""
+
+
+def check_yaml_shape(text: str) -> None:
+    """Count the nodes of ``text`` with every alias expanded, and its nesting depth, in one
+    pass over the parser's events (nothing is built, so a bomb costs no memory).
+
+    Raises:
+        YamlBudgetError: beyond :data:`MAX_YAML_NODES` nodes, beyond :data:`MAX_YAML_DEPTH`
+            levels, or an alias inside the node it names (a recursive structure).
+    """
+    expanded: dict[Any, int] = {}  # anchor -> nodes of its node with aliases expanded
+    open_nodes: list[list[Any]] = []  # [anchor, nodes so far] of each collection being read
+    aliased = False
+    for event in YAML(typ="safe", pure=True).parse(text):
+        if isinstance(event, CollectionStartEvent):
+            if len(open_nodes) >= MAX_YAML_DEPTH:
+                raise YamlBudgetError(
+                    f"nested deeper than {MAX_YAML_DEPTH} levels (params.yaml uses 3); "
+                    "it is not a params file"
+                )
+            open_nodes.append([event.anchor, 1])
+            continue
+        if isinstance(event, CollectionEndEvent):
+            anchor, nodes = open_nodes.pop()
+        elif isinstance(event, ScalarEvent):
+            anchor, nodes = event.anchor, 1
+        elif isinstance(event, AliasEvent):
+            if any(event.anchor == a for a, _ in open_nodes):
+                raise YamlBudgetError(
+                    f"the alias *{event.anchor} is inside the node &{event.anchor} it names "
+                    "(a recursive structure); write the values out"
+                )
+            anchor, nodes = None, expanded.get(event.anchor, 0)  # undefined: the loader says
+            aliased = True
+        else:
+            continue
+        if anchor is not None:
+            expanded[anchor] = nodes
+        if open_nodes:
+            open_nodes[-1][1] += nodes
+        if nodes > MAX_YAML_NODES or (open_nodes and open_nodes[-1][1] > MAX_YAML_NODES):
+            raise YamlBudgetError(
+                f"more than {MAX_YAML_NODES:,} keys and values"
+                + (" once its aliases (*name) are expanded (an alias bomb?)" if aliased else "")
+                + "; params.yaml holds about 150: "
+                + ("write the values out instead of aliasing them" if aliased else "shorten it")
+            )
 
 
 def params_digest(section: BaseModel) -> dict[str, Any]:

@@ -49,7 +49,7 @@ from ganpipe.data.store import (
 from ganpipe.files import OutputsBusyError, locked_dir
 from ganpipe.nets import DcganGenerator
 from ganpipe.params import DataParams, Params
-from tests.conftest import dir_digest, random_image, solid_image
+from tests.conftest import data_params, dir_digest, random_image, solid_image
 from tests.helpers import run_stage, stage_env
 
 # --- helpers ------------------------------------------------------------------------------
@@ -57,7 +57,7 @@ from tests.helpers import run_stage, stage_env
 
 def prep(tmp_path: Path, **data):
     out = tmp_path / "out"
-    return out, prepare_dataset(DataParams(**data), 0, out, root=tmp_path, progress=False)
+    return out, prepare_dataset(data_params(**data), 0, out, root=tmp_path, progress=False)
 
 
 def project_with_previous_outputs(root: Path) -> Path:
@@ -196,6 +196,85 @@ def test_prepare_refuses_hostile_source_keeping_previous_outputs(tmp_path, case)
     for word in words:
         assert word in message, message
     assert dir_digest(project / "data") == before  # no new file, no temporary left
+
+
+# --- params.yaml itself: stops every stage before any work ------------------------------
+
+
+def alias_bomb() -> str:
+    """ "Billion laughs" in 441 bytes: nine levels of nine aliases, 9**9 values expanded."""
+    lines = ["a0: &a0 [" + ", ".join(["lol"] * 9) + "]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    return "\n".join([*lines, "data: *a8", ""])
+
+
+# case -> (stage, params.yaml bytes, words the error must hold)
+PARAMS_CASES = {
+    "alias_bomb": ("prepare", alias_bomb().encode(), ["once its aliases (*name) are expanded"]),
+    "latin1": (
+        "prepare",
+        "seed: 0\ndata: {source: folder, path: caf\xe9}\n".encode("latin-1"),
+        ["not UTF-8 text (byte 0xe9 on line 2); save it as UTF-8"],
+    ),
+    "huge_intervals": (
+        "train",
+        b"train: {kimg: 1e308, checkpoint_kimg: 1e308, snapshot_kimg: 1e308, "
+        b"log_every_kimg: 1e308}\n",
+        ["4 problem(s)", "train.kimg: Input should be less than or equal to 1000000 (got 1e+308)"]
+        + [
+            f"train.{k}_kimg: Input should be less than or equal to 1000000"
+            for k in ("checkpoint", "snapshot", "log_every")
+        ],
+    ),
+    "no_val_split": (
+        "featurenet",
+        b"data: {val_fraction: 0.0}\n",
+        ["data.val_fraction: Input should be greater than 0 (got 0.0)", "evaluate stage"],
+    ),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", sorted(PARAMS_CASES))
+def test_a_hostile_params_file_stops_the_stage_at_once(tmp_path, case):
+    stage, content, words = PARAMS_CASES[case]
+    project = project_with_previous_outputs(tmp_path)
+    (project / "params.yaml").write_bytes(content)
+    before = dir_digest(project / "data")
+    start = time.monotonic()
+    message = stage_error(run_stage(project, stage, timeout=60))
+    assert time.monotonic() - start < 10  # the bomb hung every stage for hours
+    assert message.startswith("error: params.yaml"), message
+    for word in words:
+        assert word in message, message
+    assert dir_digest(project / "data") == before
+
+
+def test_featurenet_and_evaluate_refuse_an_empty_val_split(tmp_path, monkeypatch, capsys):
+    # val_fraction above 0 can still round to 0 images: prepare warns, the readers stop.
+    from stages import _cli
+    from stages import evaluate as evaluate_stage
+    from stages import featurenet as featurenet_stage
+
+    for i in range(4):
+        solid_image(tmp_path / "few" / f"{i}.png", (10 * i, 0, 0))
+    data = {"source": "folder", "path": "few", "image_size": 16, "val_fraction": 0.1}
+    report = prepare_dataset(DataParams(**data), 0, tmp_path / "data", tmp_path, progress=False)
+    assert report.counts == {"train": 4, "val": 0}  # round(0.4) = 0
+    write_params(tmp_path, data)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "featurenet.pt").write_bytes(b"previous")
+    before = dir_digest(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    for name, main in (("featurenet", featurenet_stage.main), ("evaluate", evaluate_stage.main)):
+        monkeypatch.setattr(sys, "argv", [name])
+        with pytest.raises(SystemExit) as exited:
+            _cli.run(main, name)
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: data/val.lmdb holds no images (data.val_fraction=0.1"), err
+        assert "raise data.val_fraction" in err and "Traceback" not in err
+    assert dir_digest(tmp_path) == before
 
 
 # --- link loops and special files -------------------------------------------------------

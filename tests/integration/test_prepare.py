@@ -25,12 +25,12 @@ from ganpipe.data.store import DatasetError, check_pair, read_meta
 from ganpipe.params import DataParams, Params
 from stages import evaluate as evaluate_stage
 from stages import featurenet as featurenet_stage
-from tests.conftest import random_image, solid_image
+from tests.conftest import data_params, random_image, solid_image
 
 
 def prep(tmp_path, seed=0, **data):
     out = tmp_path / "out"
-    report = prepare_dataset(DataParams(**data), seed, out, root=tmp_path, progress=False)
+    report = prepare_dataset(data_params(**data), seed, out, root=tmp_path, progress=False)
     return out, report
 
 

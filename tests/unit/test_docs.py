@@ -49,10 +49,10 @@ def test_parameter_page_matches_the_schema():
 
 def test_parameter_page_lists_every_key_with_its_default_range_and_docstring():
     page = paramdoc.render()
-    assert "| `train.kimg` | float | `200` | 0 < x | Length of training, in thousands" in page
+    assert "| `train.kimg` | float | `100` | 0 < x ≤ 1,000,000 | Length of training, in" in page
     assert "| `train.lr_g` | float | `0.0002` | 0 < x ≤ 1 |" in page
     assert "| `train.betas` | [float, float] | `[0.5, 0.999]` | each 0 ≤ x < 1 |" in page
-    assert "| `devices.gpus` | `all` or list of int | `all` | each 0 ≤ x |" in page
+    assert "| `devices.gpus` | `all` or list of int | `all` | each 0 ≤ x ≤ 1,023 |" in page
     assert "| `generate.truncation` | float or null | `null` | 0 < x ≤ 10 |" in page
     assert "`fp32` \\| `bf16` \\| `fp16`" in page  # choices, pipes escaped inside the table
     assert "did you mean data.channels?" in page.lower()  # the real error message

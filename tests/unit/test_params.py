@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -12,11 +14,24 @@ from ganpipe.params import Params, ParamsError, load_params, parse_params
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_repo_params_yaml_is_valid_and_matches_schema_defaults_where_documented():
-    params = load_params(REPO / "params.yaml")
-    assert params.data.source == "digits"
-    assert params.train.strategy == "d_first_detach"
-    assert params.data.image_size in (16, 32, 64)
+def flat(values: dict, prefix: str = "") -> dict:
+    """``{"train": {"kimg": 100}}`` as ``{"train.kimg": 100}``."""
+    out = {}
+    for name, value in values.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = value
+    return out
+
+
+def test_schema_defaults_are_the_committed_params_yaml():
+    """One source of defaults: a key left out of params.yaml means the committed value."""
+    committed = flat(load_params(REPO / "params.yaml").model_dump())
+    defaults = flat(Params().model_dump())
+    assert committed.keys() == defaults.keys()
+    differ = {k: (committed[k], defaults[k]) for k in committed if committed[k] != defaults[k]}
+    assert not differ, f"params.yaml vs schema default in src/ganpipe/params.py: {differ}"
 
 
 def test_repo_params_yaml_spells_out_every_key():
@@ -56,7 +71,10 @@ BAD_PARAMS = [
     ("data: {image_size: 48}", "(top level)", "data.image_size=48 is not supported"),
     ("data: {channels: 2}", "data.channels", "1 or 3"),
     ("data: {val_fraction: 1.0}", "data.val_fraction", "less than 1"),
-    ("data: {val_fraction: -0.1}", "data.val_fraction", "greater than or equal to 0"),
+    ("data: {val_fraction: -0.1}", "data.val_fraction", "greater than 0 (got -0.1)"),
+    ("data: {val_fraction: 0.0}", "data.val_fraction", "evaluate stage compares samples on"),
+    ("train: {kimg: 1e308}", "train.kimg", "less than or equal to 1000000 (got 1e+308)"),
+    ("devices: {rdzv_endpoint: 'a:99999'}", "devices", "port above 65535"),
     ("data: {source: imagenet}", "data.source", "'digits', 'folder', 'cifar10' or 'mnist'"),
     ("data: {source: folder}", "data", "data.source=folder needs data.path"),
     ("data: {path: /tmp/x}", "data", "data.source=digits reads no files"),
@@ -169,6 +187,104 @@ def test_cross_section_rules_are_reported_beside_other_problems():
         parse_params(raw)
     assert [k for k, _ in info.value.problems] == ["train.batch_size", "(top level)"]
     assert "data.image_size=48 is not supported" in str(info.value)
+
+
+def test_every_number_has_an_upper_bound():
+    """Without one, 1e308 validates and overflows where the value is used (train.kimg)."""
+
+    def walk(model, prefix=""):
+        for name, field in model.model_fields.items():
+            sub = field.annotation
+            if isinstance(sub, type) and issubclass(sub, Params.__mro__[1]):
+                yield from walk(sub, f"{prefix}{name}.")
+            else:
+                yield f"{prefix}{name}", field
+
+    def bounded(metadata):
+        return any(hasattr(m, "le") or hasattr(m, "lt") for m in metadata)
+
+    unbounded = [
+        key
+        for key, field in walk(Params)
+        if field.annotation in (int, float, float | None) and not bounded(field.metadata)
+    ]
+    assert not unbounded
+
+
+HUGE = [
+    "train.kimg",
+    "train.checkpoint_kimg",
+    "train.snapshot_kimg",
+    "train.log_every_kimg",
+    "train.ema_kimg",
+    "train.gp_weight",
+    "train.r1_gamma",
+    "train.reference_batch",
+    "devices.node_rank",
+]
+
+
+@pytest.mark.parametrize("key", HUGE)
+def test_huge_numbers_are_refused_naming_the_key(key):
+    section, name = key.split(".")
+    value = 10**308 if isinstance(getattr(getattr(Params(), section), name), int) else 1e308
+    with pytest.raises(ParamsError) as info:
+        parse_params({section: {name: value}})
+    assert [k for k, _ in info.value.problems] == [key]
+    assert "less than or equal to" in str(info.value)
+
+
+def alias_bomb(levels: int = 9, width: int = 9) -> str:
+    """ "Billion laughs": each anchor holds ``width`` aliases of the one before."""
+    lines = ["a0: &a0 [" + ", ".join(["lol"] * width) + "]"]
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * width) + "]")
+    return "\n".join([*lines, f"data: *a{levels - 1}"]) + "\n"
+
+
+# (file content, words of the one-line error)
+BAD_FILES = {
+    "alias_bomb": (alias_bomb(), "more than 10,000 keys and values once its aliases"),
+    "recursive_alias": ("data: &d {path: *d}\n", "alias *d is inside the node &d"),
+    "deep_nesting": ("data: " + "[" * 5000 + "]" * 5000, "nested deeper than 16 levels"),
+    "many_values": ("seed: [" + "0, " * 20000 + "0]\n", "more than 10,000 keys and values;"),
+    "too_large": ("#" * (256 * 1024) + "\n", "larger than 256 KiB"),
+    "latin1": ("seed: 0\ndata: {path: caf\xe9}\n".encode("latin-1"), "not UTF-8 text"),
+    "utf16": ("seed: 0\n".encode("utf-16"), "not UTF-8 text (byte 0xff on line 1)"),
+}
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_hostile_params_files_are_refused_in_a_second(tmp_path, case):
+    content, words = BAD_FILES[case]
+    path = tmp_path / "params.yaml"
+    (path.write_bytes if isinstance(content, bytes) else path.write_text)(content)
+    start = time.perf_counter()
+    with pytest.raises(ParamsError) as info:
+        load_params(path)
+    assert time.perf_counter() - start < 1.0
+    message = str(info.value)
+    assert message.startswith(f"{path}: ") and "\n" not in message
+    assert words in message, message
+
+
+def test_aliases_within_the_budget_still_work(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("train: &t {kimg: 5, betas: &b [0.5, 0.9]}\nfeaturenet: {lr: 1.0e-3}\n")
+    assert load_params(path).train.kimg == 5.0
+    path.write_text(alias_bomb(levels=3, width=9).replace("data: *a2", "seed: 1"))
+    with pytest.raises(ParamsError, match="a0: unknown key"):  # 819 nodes: read, then validated
+        load_params(path)
+
+
+@pytest.mark.timeout(10)
+def test_a_fifo_or_folder_as_params_is_refused_without_waiting(tmp_path):
+    os.mkfifo(tmp_path / "fifo.yaml")
+    (tmp_path / "folder.yaml").mkdir()
+    for name in ("fifo.yaml", "folder.yaml"):
+        with pytest.raises(ParamsError, match=f"{name}: not a regular file"):
+            load_params(tmp_path / name)
 
 
 def test_invalid_yaml_and_missing_file_are_params_errors(tmp_path):

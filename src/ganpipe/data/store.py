@@ -324,3 +324,23 @@ def check_pair(
     else:
         cause = "come from different prepare runs (an interrupted prepare?)"
     raise DatasetError(f"{train_path} and {val_path} {cause}; run `dvc repro prepare`")
+
+
+def check_val_not_empty(val_meta: dict[str, Any], val_path: Path = Path("data/val.lmdb")) -> None:
+    """Refuse an empty val split before a stage that measures on it starts.
+
+    ``data.val_fraction`` is above 0, but ``round(n * val_fraction)`` is 0 for few images;
+    prepare then only warns (training needs no val split), and featurenet's accuracy would
+    divide by zero and evaluate's feature concatenation fail.
+
+    Raises:
+        DatasetError: ``val_path`` holds no image.
+    """
+    if val_meta["count"] == 0:
+        rule = val_meta.get("split_rule")
+        fraction = rule.get("val_fraction") if isinstance(rule, dict) else None
+        raise DatasetError(
+            f"{val_path} holds no images (data.val_fraction={fraction} rounds to 0 images); "
+            "the featurenet and evaluate stages measure on the validation split: raise "
+            "data.val_fraction so that it holds at least one image, then `dvc repro`"
+        )
