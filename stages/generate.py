@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 
 from ganpipe import runtime
-from ganpipe.checkpoint import load
+from ganpipe.checkpoint import read_model_file
 from ganpipe.files import clear_leftovers, locked_dir
 from ganpipe.nets import DcganGenerator
 from ganpipe.params import ModelParams, Params
@@ -31,10 +31,18 @@ SAMPLES = Path("samples")
 
 
 def load_generator(path: Path) -> tuple[DcganGenerator, ModelParams]:
-    """Rebuild a generator from a model file written by the train stage."""
+    """Rebuild a generator from a model file written by the train stage.
+
+    Raises:
+        ModelFileError: the file is not one the train stage wrote (replaced, damaged,
+            foreign); the message names it and says to rerun train.
+    """
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing; run `dvc repro train` first")
-    record = load(path)
+    return read_model_file(path, _build_generator, "train")
+
+
+def _build_generator(record: dict) -> tuple[DcganGenerator, ModelParams]:
     model = ModelParams(**record["model"])
     g = DcganGenerator(
         model.z_dim, model.g_width, record["channels"], record["image_size"], model.norm

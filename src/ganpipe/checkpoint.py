@@ -8,12 +8,16 @@ import io
 import json
 import logging
 import os
+import pickle
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from ganpipe import cpu
+from ganpipe.files import NO_SPACE_ERRNOS, TMP_MARK, NoSpaceError, free_space_text, size_text
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +28,7 @@ def write_bytes_atomic(data: bytes, path: Path) -> None:
     A reader (or a crash) sees the old file or the new one, never a partial one.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
     try:
         with open(tmp, "wb") as handle:
             handle.write(data)
@@ -62,6 +66,94 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> Any:
     return torch.load(path, map_location=map_location, weights_only=True)
 
 
+class ModelFileError(ValueError):
+    """A model file cannot be used: replaced, damaged, foreign, or not what its stage writes.
+
+    The message names the file and the stage that writes it again.
+    """
+
+
+Net = TypeVar("Net")
+
+
+def read_model_file(path: Path, build: Callable[[Any], Net], stage: str) -> Net:
+    """Load the model file ``path`` (:func:`load`) and ``build`` the network it describes.
+
+    Whatever fails, torch's own message is not shown: it reads like a bug in ganpipe, and for
+    a file holding pickled objects it suggests ``weights_only=False``, which would run them.
+
+    Args:
+        path: A file the ``stage`` stage wrote with :func:`save_atomic`.
+        build: Makes the network from the loaded record; any exception it raises (a missing
+            key, a tensor of the wrong shape) means the file is not what ``stage`` writes.
+        stage: The dvc.yaml stage that writes ``path``, named in the fix.
+
+    Raises:
+        ModelFileError: the file cannot be loaded or built from.
+    """
+    fix = (
+        f"run the {stage} stage again to rewrite it: `dvc repro {stage}` "
+        f"(or `python -m stages.{stage}`)"
+    )
+    if not zipfile.is_zipfile(path):
+        reason = "is not a file torch.save writes (replaced, truncated or damaged)"
+    else:
+        try:
+            record = load(path)
+        except pickle.UnpicklingError:
+            reason = (
+                "holds pickled Python objects besides tensors (made by other code?); it was "
+                "refused unread, since loading it could run code"
+            )
+        except Exception as exc:  # torch's reader fails in many ways on a damaged archive
+            reason = f"is damaged: torch cannot read it ({type(exc).__name__})"
+        else:
+            try:
+                return build(record)
+            except Exception as exc:  # KeyError, TypeError, load_state_dict's RuntimeError...
+                reason = f"is not a model file of the {stage} stage ({_describe(exc)})"
+    raise ModelFileError(f"{path} {reason}; {fix}")
+
+
+def _describe(exc: BaseException, limit: int = 200) -> str:
+    """``Type: message`` on one line, at most ``limit`` characters of the message."""
+    text = " ".join(str(exc).split())
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+# --- files with a sha256 header ---------------------------------------------------------
+
+
+def hashed_bytes(obj: Any, magic: bytes) -> bytes:
+    """``obj`` as ``torch.save`` bytes behind a header line: ``magic``, then their sha256.
+
+    torch's zip reader does not check CRCs, so flipped bits inside tensor data would load
+    without an error; :func:`read_hashed` checks the sha256 first.
+    """
+    payload = torch_bytes(obj)
+    return magic + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+
+
+def read_hashed(path: Path, magic: bytes, map_location: Any = "cpu") -> Any:
+    """Load a file of :func:`hashed_bytes` after checking its sha256 (``weights_only``).
+
+    Raises:
+        CheckpointError: no ``magic`` header, or the bytes do not match their sha256.
+        pickle.UnpicklingError: the file holds pickled objects besides tensors.
+    """
+    raw = path.read_bytes()
+    header, _, payload = raw.partition(b"\n")
+    if not header.startswith(magic):
+        kind = magic.split(b" ")[0].decode()
+        raise CheckpointError(f"{path} does not start with a {kind} header")
+    expected = header[len(magic) :].decode("ascii", "replace")
+    if hashlib.sha256(payload).hexdigest() != expected:
+        raise CheckpointError(f"{path} is truncated or altered (sha256 mismatch)")
+    return torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
+
+
 # --- full-state training checkpoints ---------------------------------------------------
 
 #: Training params that do not change the trained bits; a checkpoint survives changes to
@@ -76,14 +168,13 @@ NEUTRAL_TRAIN_KEYS = {
     "num_workers",
 }
 CHECKPOINT_FORMAT = 2
-#: A checkpoint file is this line, then ``torch.save``'s bytes. torch's zip reader does not
-#: check CRCs, so flipped bits inside tensor data would otherwise load without an error.
+#: The header of a checkpoint file (see :func:`hashed_bytes`).
 MAGIC = b"ganpipe-checkpoint sha256="
 REQUIRED_KEYS = {"format", "fingerprint", "iteration", "images_seen", "g", "d", "g_ema"}
 
 
 class CheckpointError(ValueError):
-    """A checkpoint file is damaged or not a ganpipe checkpoint."""
+    """A checkpoint (or another file of :func:`hashed_bytes`) is damaged or foreign."""
 
 
 def _without_docstrings(tree: ast.AST) -> ast.AST:
@@ -175,21 +266,77 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 def remove_stale_temporaries(run_dir: Path) -> list[Path]:
     """Delete the temporary files of writes that a kill interrupted; return them."""
-    stale = sorted(run_dir.glob(".ckpt-*.pt.tmp-*"))
+    stale = sorted(run_dir.glob(f".ckpt-*.pt{TMP_MARK}*"))
     for path in stale:
         path.unlink(missing_ok=True)
     return stale
 
 
 def save_checkpoint(state: dict[str, Any], run_dir: Path, images_seen: int, keep: int) -> Path:
-    """Write a checkpoint atomically (with its sha256), then delete all but the newest ``keep``."""
+    """Write a checkpoint atomically (with its sha256), then delete all but the newest ``keep``.
+
+    The old checkpoints are deleted after the new one is written, so a crash never leaves
+    fewer than ``keep``. Where the disk is too full for one more, those that this save
+    would delete anyway are deleted first and the write is tried again, so a disk with room
+    for ``keep`` checkpoints makes progress; with ``keep`` 1 the only checkpoint is never
+    deleted before its successor is written.
+
+    Raises:
+        NoSpaceError: there is no room for the checkpoint even so; the message says how much
+            it needs and where. The checkpoints on disk are intact.
+    """
     path = run_dir / checkpoint_name(images_seen)
-    payload = torch_bytes({"format": CHECKPOINT_FORMAT, **state})
-    header = MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n"
-    write_bytes_atomic(header + payload, path)
+    data = hashed_bytes({"format": CHECKPOINT_FORMAT, **state}, MAGIC)
+    try:
+        write_bytes_atomic(data, path)
+    except OSError as exc:
+        if exc.errno not in NO_SPACE_ERRNOS:
+            raise
+        doomed = list_checkpoints(run_dir)[max(keep - 1, 1) :]
+        if not doomed:
+            raise _no_space(exc, path, len(data), keep) from None
+        for old in doomed:
+            old.unlink(missing_ok=True)
+        log.warning(
+            "no room for %s (%s): deleted %s first, which keep_checkpoints=%d would delete "
+            "after it, and writing it again",
+            path,
+            exc.strerror,
+            ", ".join(p.name for p in doomed),
+            keep,
+        )
+        try:
+            write_bytes_atomic(data, path)
+        except OSError as again:
+            if again.errno not in NO_SPACE_ERRNOS:
+                raise
+            raise _no_space(again, path, len(data), keep) from None
     for old in list_checkpoints(run_dir)[keep:]:
         old.unlink(missing_ok=True)
     return path
+
+
+def _no_space(exc: OSError, path: Path, size: int, keep: int) -> NoSpaceError:
+    run_dir = path.parent
+    kept = list_checkpoints(run_dir)
+    aside = sorted(run_dir.glob("ckpt-*.pt.corrupt"))
+    held = ""
+    if kept:
+        held = (
+            f"; the {len(kept)} checkpoint(s) kept there use "
+            f"{size_text(sum(p.stat().st_size for p in kept))} and stay until it is written"
+        )
+    if aside:
+        held += (
+            f"; {len(aside)} damaged one(s) set aside as *.corrupt use "
+            f"{size_text(sum(p.stat().st_size for p in aside))} and may be deleted"
+        )
+    return NoSpaceError(
+        f"writing {path} failed ({exc.strerror}): a checkpoint needs {size_text(size)} in "
+        f"{run_dir}/ ({free_space_text(run_dir)}{held}). Free some space (with "
+        f"train.keep_checkpoints={keep}, room for {max(keep, 2)} checkpoints is needed), "
+        "then rerun train: it resumes from its newest checkpoint"
+    )
 
 
 def read_checkpoint(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
@@ -198,14 +345,7 @@ def read_checkpoint(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
     Raises:
         CheckpointError: the file is truncated, altered or not a ganpipe checkpoint.
     """
-    raw = path.read_bytes()
-    header, _, payload = raw.partition(b"\n")
-    if not header.startswith(MAGIC):
-        raise CheckpointError(f"{path} does not start with a ganpipe checkpoint header")
-    expected = header[len(MAGIC) :].decode("ascii", "replace")
-    if hashlib.sha256(payload).hexdigest() != expected:
-        raise CheckpointError(f"{path} is truncated or altered (sha256 mismatch)")
-    state = torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
+    state = read_hashed(path, MAGIC, map_location)
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path} is not a format-{CHECKPOINT_FORMAT} ganpipe checkpoint")
     missing = REQUIRED_KEYS - state.keys()
@@ -215,29 +355,24 @@ def read_checkpoint(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
 
 
 def load_newest_checkpoint(
-    run_dir: Path, fingerprint: str | None = None, map_location: Any = "cpu"
+    run_dir: Path,
+    fingerprint: str | None = None,
+    map_location: Any = "cpu",
+    check: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any] | None:
     """The newest checkpoint of the run that loads, or None.
 
-    A checkpoint that fails to load (truncated, corrupt, foreign, pickled code) is renamed
-    ``*.corrupt`` (kept for inspection, never pruned in place of a good one) with a warning
-    naming it, and the previous one is tried. One made by another run (a different
+    A checkpoint that fails to load (truncated, corrupt, foreign, pickled code) or that
+    ``check`` rejects (it raises: tensors of other shapes than the run's networks, say) is
+    renamed ``*.corrupt`` (kept for inspection, never pruned in place of a good one) with a
+    warning naming it, and the previous one is tried. One made by another run (a different
     ``fingerprint``) is skipped with a warning.
     """
     for path in list_checkpoints(run_dir):
         try:
             state = read_checkpoint(path, map_location=map_location)
         except Exception as exc:  # a bad file must not stop the run from using an older one
-            reason = str(exc).splitlines()[0][:200] if str(exc) else ""
-            aside = path.with_name(path.name + ".corrupt")
-            path.replace(aside)
-            log.warning(
-                "checkpoint %s cannot be loaded (%s: %s); moved to %s, trying the previous one",
-                path,
-                type(exc).__name__,
-                reason,
-                aside.name,
-            )
+            _set_aside(path, "cannot be loaded", exc)
             continue
         if fingerprint is not None and state["fingerprint"] != fingerprint:
             log.warning(
@@ -247,6 +382,24 @@ def load_newest_checkpoint(
                 fingerprint[:16],
             )
             continue
+        if check is not None:
+            try:
+                check(state)
+            except Exception as exc:  # a valid hash over contents that do not fit this run
+                _set_aside(path, "does not fit this run", exc)
+                continue
         state["path"] = str(path)
         return state
     return None
+
+
+def _set_aside(path: Path, problem: str, exc: BaseException) -> None:
+    aside = path.with_name(path.name + ".corrupt")
+    path.replace(aside)
+    log.warning(
+        "checkpoint %s %s (%s); moved to %s, trying the previous one",
+        path,
+        problem,
+        _describe(exc),
+        aside.name,
+    )

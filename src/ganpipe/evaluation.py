@@ -24,7 +24,7 @@ from torchmetrics.image.kid import KernelInceptionDistance
 from tqdm import tqdm
 
 from ganpipe import runtime
-from ganpipe.checkpoint import load, save_atomic
+from ganpipe.checkpoint import hashed_bytes, load, read_hashed, read_model_file, write_bytes_atomic
 from ganpipe.featurenet import from_record
 from ganpipe.sampling import sample_latents, to_uint8
 
@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 #: torch hub names weight files by the first 8 hex digits of their sha256.
 INCEPTION_SHA256_PREFIX = "6726825d"
+#: The header of a feature cache file (see :func:`ganpipe.checkpoint.hashed_bytes`).
+CACHE_MAGIC = b"ganpipe-feature-cache sha256="
 
 
 class ExtractorError(ValueError):
@@ -47,7 +49,12 @@ def file_sha256(path: Path) -> str:
 
 
 def load_featurenet(path: Path) -> nn.Module:
-    """The frozen feature network, after checking the file against its ``.sha256`` record."""
+    """The frozen feature network, after checking the file against its ``.sha256`` record.
+
+    Raises:
+        ExtractorError: a file is missing, or the weights do not match their record.
+        ModelFileError: the weights cannot be loaded (their record was replaced with them).
+    """
     record_file = path.with_suffix(".sha256")
     if not path.exists() or not record_file.exists():
         raise ExtractorError(
@@ -61,7 +68,7 @@ def load_featurenet(path: Path) -> nn.Module:
             f"{path} has sha256 {actual} but {record_file} records {expected}: the weights "
             "changed after training; run `dvc repro featurenet`"
         )
-    return from_record(load(path), actual)
+    return read_model_file(path, lambda record: from_record(record, actual), "featurenet")
 
 
 class InceptionFeatures(nn.Module):
@@ -147,7 +154,12 @@ def real_features(
 ) -> torch.Tensor:
     """Features of every image of ``dataset``, cached by (dataset hash, extractor hash,
     ``numerics``: a digest of :func:`ganpipe.runtime.numerics_record`, since features
-    computed on other CPU code paths differ in their last bits)."""
+    computed on other CPU code paths differ in their last bits).
+
+    A cache file carries the sha256 of its bytes, as checkpoints do: one that is damaged
+    (one flipped bit in the features would shift FID), foreign or of an older format is
+    deleted with a warning naming it, and the features are extracted again.
+    """
     cache = None
     key = {"dataset": dataset_sha256, "extractor": extractor.digest, "numerics": numerics}
     if cache_dir is not None:
@@ -155,12 +167,19 @@ def real_features(
         cache = cache_dir / f"{dataset_sha256[:16]}-{extractor.digest[:16]}-{digest}.pt"
         if cache.exists():
             try:
-                cached = load(cache)
+                cached = read_hashed(cache, CACHE_MAGIC)
                 if all(cached.get(k) == v for k, v in key.items()):
                     log.info("real features from cache %s", cache)
                     return cached["features"]
             except Exception as exc:  # a damaged cache is rebuilt, never trusted
-                log.warning("ignoring unreadable feature cache %s (%s)", cache, exc)
+                cache.unlink(missing_ok=True)
+                log.warning(
+                    "feature cache %s cannot be used (%s: %s); deleted it, extracting the real "
+                    "features again",
+                    cache,
+                    type(exc).__name__,
+                    str(exc).splitlines()[0][:200] if str(exc) else "",
+                )
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size)
     feats = features_of(
         extractor,
@@ -171,7 +190,7 @@ def real_features(
         progress,
     )
     if cache is not None:
-        save_atomic({**key, "features": feats}, cache)
+        write_bytes_atomic(hashed_bytes({**key, "features": feats}, CACHE_MAGIC), cache)
     return feats
 
 

@@ -26,6 +26,30 @@ log = logging.getLogger(__name__)
 #: export_pngs, prepare). ``.NAME.old-*``: a previous ``NAME`` renamed aside (replace_dir).
 TMP_MARK = ".tmp-"
 OLD_MARK = ".old-"
+#: The ``errno`` values of a write that failed for lack of space (disk full, quota reached).
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+class NoSpaceError(ValueError):
+    """Writing failed for lack of space; the message says how much is needed, and where.
+
+    A ``ValueError`` so that the stages report it as a user error (one line, exit status 2).
+    """
+
+
+def size_text(num_bytes: float) -> str:
+    """``num_bytes`` for people: MiB, or GiB from 1 GiB up."""
+    if num_bytes >= 2**30:
+        return f"{num_bytes / 2**30:,.1f} GiB"
+    return f"{num_bytes / 2**20:,.1f} MiB"
+
+
+def free_space_text(folder: Path) -> str:
+    """``"X MiB free there now"`` for the filesystem of ``folder`` (``"free space unknown"``)."""
+    try:
+        return f"{size_text(shutil.disk_usage(folder).free)} free there now"
+    except OSError:
+        return "free space unknown"
 
 
 def exchange(a: Path, b: Path) -> bool:

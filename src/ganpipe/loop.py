@@ -211,7 +211,9 @@ def _resume(
     if context.is_main:
         for stale in checkpoint.remove_stale_temporaries(run_dir):
             log.info("removed %s, left by an interrupted checkpoint write", stale.name)
-        state = checkpoint.load_newest_checkpoint(run_dir, fingerprint)
+        state = checkpoint.load_newest_checkpoint(
+            run_dir, fingerprint, check=lambda state: _check_fits(state, gan, g_ema)
+        )
     state = context.broadcast_object(state)
     if state is None:
         log.info("no checkpoint in %s: training from the start", run_dir)
@@ -237,6 +239,58 @@ def _resume(
     mine = state["unlogged"]["sums"][context.rank]
     sums = {k: v.to(context.device) for k, v in mine.items()}
     return _Progress(iteration, list(state["log"]), sums, state["unlogged"]["since"]), state
+
+
+#: What :func:`_resume` reads from a checkpoint besides what every checkpoint holds.
+RESUME_KEYS = {
+    "data",
+    "opt_g",
+    "opt_d",
+    "scaler_g",
+    "scaler_d",
+    "skipped_steps",
+    "rng",
+    "log",
+    "unlogged",
+}
+
+
+def _check_fits(state: dict, gan: Gan, g_ema: EmaGenerator) -> None:
+    """Raise ``ValueError`` unless ``state`` loads into this run's networks and optimizers.
+
+    A checkpoint with a valid hash may still not fit (edited by hand, written by other code):
+    ``load_state_dict`` would then fail half-way, with some networks already overwritten,
+    so the check compares names and shapes before anything is loaded.
+    """
+    missing = RESUME_KEYS - state.keys()
+    if missing:
+        raise ValueError(f"lacks {sorted(missing)}")
+    nets = {"g": dist.unwrap(gan.g), "d": dist.unwrap(gan.d), "g_ema": g_ema}
+    for key, net in nets.items():
+        ours, theirs = net.state_dict(), state[key]
+        if ours.keys() != theirs.keys():
+            odd = sorted(ours.keys() ^ theirs.keys())
+            raise ValueError(f"{key}: the checkpoint and the model differ in tensors {odd[:3]}")
+        for name, tensor in ours.items():
+            if tuple(theirs[name].shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"{key}: {name} has shape {list(theirs[name].shape)}, the model's "
+                    f"{list(tensor.shape)}"
+                )
+    for key, opt in (("opt_g", gan.opt_g), ("opt_d", gan.opt_d)):
+        params = [p for group in opt.param_groups for p in group["params"]]
+        groups = state[key]["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in opt.param_groups]:
+            raise ValueError(f"{key}: its parameter groups differ from the optimizer's")
+        for index, entry in state[key]["state"].items():
+            for name, value in entry.items():
+                # Adam's moments have their parameter's shape; its step count is a scalar.
+                shaped = isinstance(value, torch.Tensor) and value.ndim > 0
+                if shaped and tuple(value.shape) != tuple(params[index].shape):
+                    raise ValueError(
+                        f"{key}: {name} of parameter {index} has shape {list(value.shape)}, "
+                        f"the parameter's {list(params[index].shape)}"
+                    )
 
 
 def _weights_are_finite(gan: Gan, g_ema: EmaGenerator, context: DistContext) -> bool:

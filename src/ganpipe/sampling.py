@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from ganpipe import runtime
 from ganpipe.checkpoint import write_bytes_atomic
-from ganpipe.files import replace_dir
+from ganpipe.files import TMP_MARK, replace_dir
 
 
 def to_uint8(images: torch.Tensor) -> torch.Tensor:
@@ -149,7 +149,7 @@ def export_pngs(
     """Write samples ``0 .. count - 1`` as ``out_dir/000000.png`` ...; the folder is built
     beside ``out_dir`` and swapped in when complete, so it never holds a partial set."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}{TMP_MARK}", dir=out_dir.parent))
     try:
         with tqdm(
             total=count, desc="export", unit="img", disable=not progress, mininterval=1.0

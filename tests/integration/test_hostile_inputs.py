@@ -8,8 +8,11 @@ library in-process.
 
 from __future__ import annotations
 
+import errno
 import gzip
+import io
 import json
+import logging
 import multiprocessing
 import os
 import pickle
@@ -29,7 +32,7 @@ import torch
 import yaml
 from PIL import Image
 
-from ganpipe import runtime
+from ganpipe import checkpoint, loop, runtime
 from ganpipe.checkpoint import save_atomic
 from ganpipe.data import convert
 from ganpipe.data.convert import BadImageError
@@ -46,7 +49,7 @@ from ganpipe.data.store import (
     estimate_bytes,
     read_meta,
 )
-from ganpipe.files import OutputsBusyError, locked_dir
+from ganpipe.files import OutputsBusyError, locked_dir, size_text
 from ganpipe.nets import DcganGenerator
 from ganpipe.params import DataParams, Params
 from tests.conftest import data_params, dir_digest, random_image, solid_image
@@ -60,11 +63,11 @@ def prep(tmp_path: Path, **data):
     return out, prepare_dataset(data_params(**data), 0, out, root=tmp_path, progress=False)
 
 
-def project_with_previous_outputs(root: Path) -> Path:
+def project_with_previous_outputs(root: Path, image_size: int = 8) -> Path:
     """A project whose data/ holds a complete train/val pair from an earlier prepare."""
     for i in range(4):
         solid_image(root / "previous" / f"{i}.png", (10 * i, 0, 0))
-    data = DataParams(source="folder", path="previous", image_size=8, val_fraction=0.25)
+    data = DataParams(source="folder", path="previous", image_size=image_size, val_fraction=0.25)
     prepare_dataset(data, 0, root / "data", root=root, progress=False)
     return root
 
@@ -778,3 +781,327 @@ def test_a_second_report_build_fails_at_once(tmp_path):
         "`reports.build` run?)"
     ), message
     assert dir_digest(tmp_path) == before
+
+
+# --- model files, checkpoints and the feature cache --------------------------------------
+
+
+class Payload:
+    """Pickled, it runs ``touch marker`` when loaded without ``weights_only``."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _shrunk_generator(path: Path) -> None:
+    record = torch.load(path, weights_only=True)
+    name = next(iter(record["state_dict"]))
+    record["state_dict"][name] = record["state_dict"][name][:1]
+    save_atomic(record, path)
+
+
+# case -> what replaces models/g_ema.pt, words the reason must hold
+BAD_MODEL_FILES = {
+    "garbage": (
+        lambda p: p.write_bytes(np.random.default_rng(0).bytes(5000)),
+        "is not a file torch.save writes",
+    ),
+    "text": (lambda p: p.write_text("hello\n"), "is not a file torch.save writes"),
+    "empty": (lambda p: p.write_bytes(b""), "is not a file torch.save writes"),
+    "truncated": (
+        lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),
+        "is not a file torch.save writes",
+    ),
+    "foreign_pickle": (
+        lambda p: p.write_bytes(pickle.dumps({"weights": [1.0, 2.0]})),
+        "is not a file torch.save writes",
+    ),
+    "torch_file_with_code": (
+        lambda p: torch.save({"x": Payload(p.parent / "pwned")}, p),
+        "holds pickled Python objects besides tensors",
+    ),
+    "foreign_state_dict": (
+        lambda p: torch.save({"weight": torch.ones(3)}, p),
+        "is not a model file of the train stage (KeyError: 'model')",
+    ),
+    "wrong_shapes": (
+        _shrunk_generator,
+        "is not a model file of the train stage (RuntimeError: Error(s) in loading state_dict "
+        "for DcganGenerator: size mismatch for main.0.0.weight",
+    ),
+}
+
+
+def run_stage_in_process(stage, argv0: str, monkeypatch, capsys) -> str:
+    """``stage.main`` through the stages' error handling (stages/_cli.py); its message.
+
+    In-process: a stage subprocess spends ~10 s importing torch to show the same thing.
+    """
+    from stages import _cli
+
+    capsys.readouterr()  # what ran before
+    monkeypatch.setattr(sys, "argv", [argv0])
+    with pytest.raises(SystemExit) as exited:
+        _cli.run(stage.main, argv0)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "weights_only" not in err, err
+    assert len([line for line in err.splitlines() if line.startswith("error: ")]) == 1, err
+    return err[err.index("error: ") :]  # after any progress bar
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MODEL_FILES))
+def test_generate_names_a_bad_model_file_and_the_stage_to_rerun(
+    tmp_path, monkeypatch, capsys, case
+):
+    from stages import generate as generate_stage
+
+    params = tiny_generator_project(tmp_path)
+    write_params(tmp_path, {"image_size": 16, "channels": 1})
+    monkeypatch.chdir(tmp_path)
+    generate_stage.main(params)  # the previous outputs
+    replace, words = BAD_MODEL_FILES[case]
+    replace(tmp_path / "models" / "g_ema.pt")
+    before = dir_digest(tmp_path)
+    err = run_stage_in_process(generate_stage, "generate", monkeypatch, capsys)
+    assert err.startswith(f"error: models/g_ema.pt {words}"), err
+    assert "rewrite it: `dvc repro train` (or `python -m stages.train`)" in err
+    assert not (tmp_path / "models" / "pwned").exists(), "the payload ran"
+    assert dir_digest(tmp_path) == before
+
+
+def test_evaluate_names_a_bad_featurenet_file(tmp_path, monkeypatch, capsys):
+    """Weights replaced together with their .sha256 record pass the hash check; loading
+    them is refused, naming the file and the featurenet stage."""
+    import hashlib
+
+    from stages import evaluate as evaluate_stage
+
+    project = project_with_previous_outputs(tmp_path, image_size=16)
+    write_params(project, {"image_size": 16})
+    weights = project / "models" / "featurenet.pt"
+    weights.parent.mkdir()
+    torch.save({"x": Payload(project / "pwned")}, weights)
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    weights.with_suffix(".sha256").write_text(f"{digest}  featurenet.pt\n")
+    metrics = project / "metrics" / "eval" / "metrics.json"
+    metrics.parent.mkdir(parents=True)
+    metrics.write_text('{"fid": 1.0}\n')
+    before = dir_digest(project)
+    monkeypatch.chdir(project)
+    err = run_stage_in_process(evaluate_stage, "evaluate", monkeypatch, capsys)
+    assert err.startswith("error: models/featurenet.pt holds pickled Python objects"), err
+    assert "`dvc repro featurenet` (or `python -m stages.featurenet`)" in err
+    assert not (project / "pwned").exists(), "the payload ran"
+    assert dir_digest(project) == before
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_process_shows_no_torch_text_for_a_foreign_pickle(tmp_path):
+    tiny_generator_project(tmp_path)
+    write_params(tmp_path, {"image_size": 16, "channels": 1})
+    torch.save({"x": Payload(tmp_path / "pwned")}, tmp_path / "models" / "g_ema.pt")
+    message = stage_error(run_stage(tmp_path, "generate", timeout=120))
+    assert message.startswith("error: models/g_ema.pt holds pickled Python objects"), message
+    assert "weights_only" not in message and "dvc repro train" in message
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "samples").exists()
+
+
+class Projection(torch.nn.Module):
+    """A fixed random projection standing in for a feature network; counts its images."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(
+            torch.randn(64, 6, generator=torch.Generator().manual_seed(1))
+        )
+        self.digest = "e" * 64
+        self.num_images = 0
+
+    def forward(self, images):
+        self.num_images += len(images)
+        return images.flatten(1) @ self.weight
+
+
+def test_a_flipped_bit_in_the_feature_cache_is_caught_and_the_cache_rebuilt(tmp_path, caplog):
+    from ganpipe import evaluation
+
+    images = torch.rand(40, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    dataset = torch.utils.data.TensorDataset(images, torch.zeros(40, dtype=torch.long))
+    extractor = Projection()
+    fake = torch.randn(40, 6, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+    def real() -> torch.Tensor:
+        return evaluation.real_features(
+            extractor, dataset, "d" * 64, 16, torch.device("cpu"), tmp_path, progress=False
+        )
+
+    features = real()
+    fid = evaluation.fid(features, fake)
+    (cache,) = tmp_path.glob("*.pt")
+    data = bytearray(cache.read_bytes())
+    at = bytes(data).index(features[20].numpy().tobytes())
+    data[at + 3] ^= 0x10
+    cache.write_bytes(bytes(data))
+    # torch's zip reader does not check CRCs: without the sha256 the flip would be used.
+    payload = bytes(data).partition(b"\n")[2]
+    altered = torch.load(io.BytesIO(payload), weights_only=True)["features"]
+    assert not torch.equal(altered, features)
+    assert evaluation.fid(altered, fake) != fid
+    assert extractor.num_images == 40
+    again = real()
+    assert f"feature cache {cache} cannot be used" in caplog.text
+    assert "sha256 mismatch" in caplog.text
+    assert extractor.num_images == 80  # extracted again, not read from the damaged file
+    assert torch.equal(again, features) and evaluation.fid(again, fake) == fid
+    caplog.clear()
+    assert torch.equal(real(), features) and extractor.num_images == 80  # the rebuilt cache
+    assert "cannot be used" not in caplog.text
+
+
+TINY_RUN = {
+    "seed": 4,
+    "data": {"image_size": 16, "val_fraction": 0.5},
+    "devices": {"accelerator": "cpu", "cpu_threads": 1},
+    "model": {"z_dim": 16, "g_width": 8, "d_width": 8},
+    "train": {
+        "batch_size": 32,
+        "kimg": 0.64,
+        "checkpoint_kimg": 0.32,
+        "keep_checkpoints": 3,
+        "log_every_kimg": 0.32,
+        "snapshot_kimg": 100,
+    },
+    "generate": {"grid_rows": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_train_set(tmp_path_factory) -> LmdbImageDataset:
+    out = tmp_path_factory.mktemp("data")
+    prepare_dataset(DataParams(image_size=16, val_fraction=0.5), 4, out, progress=False)
+    return LmdbImageDataset(out / "train.lmdb", as_uint8=True)
+
+
+def train_tiny(run_dir: Path, dataset: LmdbImageDataset, **train) -> dict[str, torch.Tensor]:
+    """Train TINY_RUN (``train`` updated) with checkpoints in ``run_dir``; the EMA weights."""
+    params = Params.model_validate({**TINY_RUN, "train": {**TINY_RUN["train"], **train}})
+    result = loop.train(params, dataset, torch.device("cpu"), progress=False, run_dir=run_dir)
+    return result.g_ema.state_dict()
+
+
+def rewrite_with_valid_hash(path: Path, change) -> None:
+    """Apply ``change`` to the checkpoint's state and save it again, hash and all."""
+    state = checkpoint.read_checkpoint(path)
+    change(state)
+    state.pop("format")
+    checkpoint.save_checkpoint(state, path.parent, state["images_seen"], keep=99)
+
+
+def foreign_adam_moment(state: dict) -> None:
+    state["opt_d"]["state"][0]["exp_avg"] = torch.ones(2)
+
+
+def test_a_checkpoint_of_the_wrong_shapes_falls_back_like_a_damaged_one(
+    tmp_path, tiny_train_set, caplog
+):
+    caplog.set_level(logging.INFO, logger="ganpipe.loop")
+    run_dir = tmp_path / "run"
+    uninterrupted = train_tiny(run_dir, tiny_train_set)
+    newest, previous = checkpoint.list_checkpoints(run_dir)
+    assert (newest.name, previous.name) == ("ckpt-000000000640.pt", "ckpt-000000000320.pt")
+
+    def widen(state):
+        name = next(iter(state["g"]))
+        state["g"][name] = torch.cat([state["g"][name], state["g"][name]])
+
+    rewrite_with_valid_hash(newest, widen)
+    assert checkpoint.read_checkpoint(newest)  # its hash is valid
+    resumed = train_tiny(run_dir, tiny_train_set)
+    assert f"checkpoint {newest} does not fit this run (ValueError: g: " in caplog.text
+    assert f"resumed from {previous}" in caplog.text
+    assert newest.with_name(newest.name + ".corrupt").exists()
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
+    # None fits: training starts over, and ends with the same weights again.
+    caplog.clear()
+    for path in checkpoint.list_checkpoints(run_dir):
+        rewrite_with_valid_hash(path, foreign_adam_moment)
+    again = train_tiny(run_dir, tiny_train_set)
+    assert caplog.text.count("does not fit this run (ValueError: opt_d: exp_avg") == 2
+    assert "training from the start" in caplog.text
+    assert all(torch.equal(again[k], uninterrupted[k]) for k in uninterrupted)
+
+
+def disk_with_room_for(monkeypatch, num_checkpoints: int) -> list[Path]:
+    """Checkpoint writes fail with ENOSPC while ``num_checkpoints`` are on disk; the writes
+    that failed are returned."""
+    write = checkpoint.write_bytes_atomic
+    failed = []
+
+    def limited(data: bytes, path: Path) -> None:
+        if len(checkpoint.list_checkpoints(path.parent)) >= num_checkpoints:
+            failed.append(path)
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        write(data, path)
+
+    monkeypatch.setattr(checkpoint, "write_bytes_atomic", limited)
+    return failed
+
+
+def test_a_disk_with_room_for_keep_checkpoints_makes_progress(
+    tmp_path, tiny_train_set, monkeypatch, caplog
+):
+    run_dir = tmp_path / "run"
+    failed = disk_with_room_for(monkeypatch, 2)
+    train_tiny(run_dir, tiny_train_set, kimg=0.96, keep_checkpoints=2)
+    assert [p.name for p in failed] == ["ckpt-000000000960.pt"]
+    assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == [
+        "ckpt-000000000960.pt",
+        "ckpt-000000000640.pt",
+    ]
+    assert "deleted ckpt-000000000320.pt first, which keep_checkpoints=2" in caplog.text
+
+
+def checkpoint_files(run_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in run_dir.iterdir() if p.name.startswith("ckpt-")}
+
+
+def test_a_full_disk_during_a_checkpoint_says_how_much_space_is_needed(
+    tmp_path, monkeypatch, capsys
+):
+    """keep_checkpoints=1 never deletes the only checkpoint before its successor is written:
+    the stage stops with one error saying how much is needed, the checkpoint and the models
+    of the previous run intact."""
+    from stages import train as train_stage
+
+    project = tmp_path
+    prepare_dataset(
+        DataParams(image_size=16, val_fraction=0.5), 4, project / "data", progress=False
+    )
+    config = {**TINY_RUN, "train": {**TINY_RUN["train"], "kimg": 0.32}}
+    (project / "params.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.chdir(project)
+    train_stage.main(Params.model_validate(config))
+    config["train"].update(kimg=0.64, keep_checkpoints=1)
+    (project / "params.yaml").write_text(yaml.safe_dump(config))
+    models_before = dir_digest(project / "models")
+    (run_dir,) = (project / "checkpoints").iterdir()
+    checkpoints_before = checkpoint_files(run_dir)
+    assert list(checkpoints_before) == ["ckpt-000000000320.pt"]
+    write = checkpoint.write_bytes_atomic
+    disk_with_room_for(monkeypatch, 1)
+    err = run_stage_in_process(train_stage, "train", monkeypatch, capsys)
+    path = f"checkpoints/{run_dir.name}/ckpt-000000000640.pt"
+    assert err.startswith(f"error: writing {path} failed (No space left on device)"), err
+    size = size_text((run_dir / "ckpt-000000000320.pt").stat().st_size)
+    assert f"a checkpoint needs {size} in checkpoints/{run_dir.name}/" in err
+    assert "free there now" in err and "the 1 checkpoint(s) kept there use" in err
+    assert "train.keep_checkpoints=1, room for 2 checkpoints is needed" in err
+    assert dir_digest(project / "models") == models_before
+    assert checkpoint_files(run_dir) == checkpoints_before
+    monkeypatch.setattr(checkpoint, "write_bytes_atomic", write)  # space was freed
+    train_stage.main(Params.model_validate(config))
+    assert list(checkpoint_files(run_dir)) == ["ckpt-000000000640.pt"]

@@ -21,6 +21,7 @@ from ganpipe import checkpoint, loop, runtime
 from ganpipe.checkpoint import load, load_newest_checkpoint, run_fingerprint, save_checkpoint
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.prepare import prepare_dataset
+from ganpipe.files import NoSpaceError
 from ganpipe.params import DataParams, parse_params
 from tests.helpers import Recorder, descendants, stage_env, write_project
 
@@ -484,7 +485,7 @@ def test_a_full_disk_during_a_save_leaves_the_previous_checkpoints_intact(tmp_pa
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(checkpoint.os, "fsync", full)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(NoSpaceError, match="No space left"):
         save_checkpoint({**STATE, "images_seen": 96}, run_dir, 96, 5)
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before  # no leftovers

@@ -40,7 +40,14 @@ from ganpipe.data.store import (
     WriteFailedError,
     estimate_bytes,
 )
-from ganpipe.files import TMP_MARK, clear_leftovers, locked_dir, replace_dir
+from ganpipe.files import (
+    TMP_MARK,
+    clear_leftovers,
+    free_space_text,
+    locked_dir,
+    replace_dir,
+    size_text,
+)
 from ganpipe.params import DataParams
 
 log = logging.getLogger(__name__)
@@ -101,25 +108,16 @@ def usable_cpus() -> int:
     return os.cpu_count() or 1
 
 
-def _size(num_bytes: float) -> str:
-    if num_bytes >= 2**30:
-        return f"{num_bytes / 2**30:,.1f} GiB"
-    return f"{num_bytes / 2**20:,.1f} MiB"
-
-
 def _write_failed(
     exc: WriteFailedError, out_dir: Path, listing: Listing, value_bytes: int, written: int
 ) -> DatasetError:
     """The error for a failed write (disk full...), said in space: needed, written, free."""
     needed = estimate_bytes(len(listing), value_bytes)
-    try:
-        free = f"{_size(shutil.disk_usage(out_dir).free)} free there now"
-    except OSError:
-        free = "free space unknown"
+    free = free_space_text(out_dir)
     return DatasetError(
         f"writing {exc.path} failed ({exc.cause}); is the disk full? The new train and val "
-        f"databases need about {_size(needed)} in {out_dir}/ beside the previous ones "
-        f"({_size(written)} were written before the failure; {free}). Free some space or "
+        f"databases need about {size_text(needed)} in {out_dir}/ beside the previous ones "
+        f"({size_text(written)} were written before the failure; {free}). Free some space or "
         f"raise the quota, then rerun prepare; the previous {out_dir}/train.lmdb and "
         f"{out_dir}/val.lmdb were not touched"
     )
