@@ -321,7 +321,7 @@ def _save(
             "iteration": progress.iteration,
             "images_seen": images_seen,
             "data": data,
-            "skipped_steps": dict(gan.skipped),
+            "skipped_steps": gan.skipped_steps(),
             "g": dist.unwrap(gan.g).state_dict(),
             "d": dist.unwrap(gan.d).state_dict(),
             "g_ema": g_ema.state_dict(),
@@ -361,9 +361,9 @@ def train(
     one made with the same ``fingerprint`` (see :func:`checkpoint.run_fingerprint`):
     batches and latents are functions of the step, RNG states are restored per rank, so a
     resumed run ends with the same bytes as one never stopped, and the log up to the
-    checkpoint is written again before training goes on. ``should_stop`` is polled every
-    iteration (SIGTERM / SIGINT): the run saves a checkpoint and raises
-    :class:`TrainingInterrupted`.
+    checkpoint is written again before training goes on. ``should_stop`` (SIGTERM /
+    SIGINT) is polled at every log and checkpoint interval: the run saves a checkpoint and
+    raises :class:`TrainingInterrupted`.
 
     Raises:
         ValueError: the batch does not fit the dataset.
@@ -477,8 +477,16 @@ def train(
 
             done = run.iteration = it + 1
             images_seen = done * per_iteration
-            stop = should_stop is not None and context.any(should_stop())
-            if done % log_every == 0 or done == iterations:
+            at_log = done % log_every == 0 or done == iterations
+            at_checkpoint = run_dir is not None and (
+                done % checkpoint_every == 0 or done == iterations
+            )
+            # Polled at log and checkpoint intervals only: in DDP every poll is an
+            # all-reduce, a wait for the slowest rank that a step need not make.
+            stop = (
+                should_stop is not None and (at_log or at_checkpoint) and context.any(should_stop())
+            )
+            if at_log:
                 # Two small all-reduces and one host sync per logging interval, none per step.
                 check_finite(done, stats)
                 keys = sorted(run.sums)
@@ -493,8 +501,9 @@ def train(
                 means["lr/g"] = gan.opt_g.param_groups[0]["lr"]
                 means["lr/d"] = gan.opt_d.param_groups[0]["lr"]
                 if gan.scaler_g.is_enabled():
+                    skipped = gan.skipped_steps()
                     for net, scaler in (("g", gan.scaler_g), ("d", gan.scaler_d)):
-                        means[f"amp/skipped_steps/{net}"] = float(gan.skipped[net])
+                        means[f"amp/skipped_steps/{net}"] = float(skipped[net])
                         means[f"amp/scale/{net}"] = scaler.get_scale()
                 if logger is not None:
                     logger.log_scalars(images_seen, means)
@@ -510,7 +519,7 @@ def train(
                     logger.log_grid(images_seen, grid)
                 if run_dir is not None:
                     _save_grid(run_dir, images_seen, grid)
-            if run_dir is not None and (done % checkpoint_every == 0 or done == iterations or stop):
+            if at_checkpoint or (run_dir is not None and stop):
                 check_finite(done, stats)  # never checkpoint a diverged state
                 if not _weights_are_finite(gan, g_ema, context):
                     raise FloatingPointError(
@@ -531,16 +540,17 @@ def train(
                 )
             if stop:
                 raise TrainingInterrupted(images_seen, path if run_dir is not None else None)
-    if any(gan.skipped.values()):
+    skipped = gan.skipped_steps()
+    if any(skipped.values()):
         log.warning(
             "the fp16 GradScalers skipped %d G and %d D optimizer steps",
-            gan.skipped["g"],
-            gan.skipped["d"],
+            skipped["g"],
+            skipped["d"],
         )
     log.info("trained %d iterations, %.1f kimg", iterations, iterations * per_iteration / 1000)
     g, d = dist.unwrap(gan.g), dist.unwrap(gan.d)
     return TrainResult(
-        g.cpu(), d.cpu(), g_ema.cpu(), iterations * per_iteration, iterations, dict(gan.skipped)
+        g.cpu(), d.cpu(), g_ema.cpu(), iterations * per_iteration, iterations, skipped
     )
 
 

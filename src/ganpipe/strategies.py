@@ -52,8 +52,13 @@ class Gan:
     autocast: Callable[[], AbstractContextManager]
     grad_accum: int = 1
     """Micro-batches per update: their gradients add up before the optimizer steps."""
-    skipped: dict[str, int] = field(default_factory=lambda: {"g": 0, "d": 0})
-    """Optimizer steps the fp16 scalers skipped (inf/NaN gradients), per network."""
+    skipped: dict[str, int | Tensor] = field(default_factory=lambda: {"g": 0, "d": 0})
+    """Optimizer steps the fp16 scalers skipped (inf/NaN gradients), per network: device
+    counters, read (:meth:`skipped_steps`) at log and checkpoint intervals only."""
+
+    def skipped_steps(self) -> dict[str, int]:
+        """:attr:`skipped` read back to the host (a sync with the device)."""
+        return {name: int(count) for name, count in self.skipped.items()}
 
     def micro(self, real: torch.Tensor, z: torch.Tensor) -> Iterator[tuple[Tensor, Tensor]]:
         """This rank's batch as ``grad_accum`` equal micro-batches of (real, latent)."""
@@ -94,17 +99,19 @@ class Gan:
         """Unscale, measure the gradient norm, step (skipped by the scaler on inf/NaN)."""
         name = "g" if opt is self.opt_g else "d"
         scaler = self.scaler_g if name == "g" else self.scaler_d
-        scaler.unscale_(opt)
         grads = [
             p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None
         ]
+        if scaler.is_enabled():
+            # The scaler skips the step iff a scaled gradient holds inf/NaN (its unscale
+            # kernel tests the values before multiplying): the same test here, counted on
+            # the device, so that no step waits for the host (get_scale() would).
+            found_inf = ~torch.stack([g.isfinite().all() for g in grads]).all()
+            self.skipped[name] = self.skipped[name] + found_inf
+        scaler.unscale_(opt)
         norm = torch.nn.utils.get_total_norm(grads)
         scaler.step(opt)
-        if scaler.is_enabled():
-            # A skipped step halves the scale. get_scale() syncs with the device: fp16 only.
-            scale = scaler.get_scale()
-            scaler.update()
-            self.skipped[name] += scaler.get_scale() < scale
+        scaler.update()
         return norm
 
 
