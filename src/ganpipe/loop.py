@@ -362,8 +362,8 @@ def train(
     batches and latents are functions of the step, RNG states are restored per rank, so a
     resumed run ends with the same bytes as one never stopped, and the log up to the
     checkpoint is written again before training goes on. ``should_stop`` (SIGTERM /
-    SIGINT) is polled at every log and checkpoint interval: the run saves a checkpoint and
-    raises :class:`TrainingInterrupted`.
+    SIGINT) is polled every iteration by one process, at every log and checkpoint interval
+    under DDP: the run saves a checkpoint and raises :class:`TrainingInterrupted`.
 
     Raises:
         ValueError: the batch does not fit the dataset.
@@ -481,11 +481,15 @@ def train(
             at_checkpoint = run_dir is not None and (
                 done % checkpoint_every == 0 or done == iterations
             )
-            # Polled at log and checkpoint intervals only: in DDP every poll is an
-            # all-reduce, a wait for the slowest rank that a step need not make.
-            stop = (
-                should_stop is not None and (at_log or at_checkpoint) and context.any(should_stop())
-            )
+            # One process reads its own flag every step. Under DDP a read is an all-reduce
+            # (a wait for the slowest rank), so the ranks agree at log and checkpoint
+            # intervals only.
+            if should_stop is None:
+                stop = False
+            elif context.world_size == 1:
+                stop = should_stop()
+            else:
+                stop = (at_log or at_checkpoint) and context.any(should_stop())
             if at_log:
                 # Two small all-reduces and one host sync per logging interval, none per step.
                 check_finite(done, stats)
