@@ -408,7 +408,6 @@ def test_meta_record_of_the_wrong_type_is_a_dataset_error(tmp_path, meta, words)
 def test_a_stage_reading_a_bad_meta_record_exits_cleanly(tmp_path, monkeypatch, capsys):
     # In-process through the stages' own error handling (stages/_cli.py): a featurenet
     # subprocess would spend ~10 s importing torch to show the same thing.
-    from stages import _cli
     from stages import featurenet as featurenet_stage
 
     for split in ("train", "val"):
@@ -416,11 +415,7 @@ def test_a_stage_reading_a_bad_meta_record_exits_cleanly(tmp_path, monkeypatch, 
     write_params(tmp_path, {})
     before = dir_digest(tmp_path)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["featurenet"])
-    with pytest.raises(SystemExit) as exited:
-        _cli.run(featurenet_stage.main, "featurenet")
-    assert exited.value.code == 2
-    err = capsys.readouterr().err
+    err = run_stage_in_process(featurenet_stage, "featurenet", monkeypatch, capsys)
     assert err.startswith("error: data/train.lmdb: the meta record is a JSON list"), err
     assert "Traceback" not in err
     assert dir_digest(tmp_path) == before
@@ -467,7 +462,6 @@ def featurenet_project(root: Path, classes: dict[str, int], **data) -> Path:
 def test_featurenet_checks_the_labels_against_the_meta_record(
     tmp_path, monkeypatch, capsys, split, label, words
 ):
-    from stages import _cli
     from stages import featurenet as featurenet_stage
 
     project = featurenet_project(tmp_path, {"a": 4, "b": 4}, val_fraction=0.5)
@@ -476,11 +470,7 @@ def test_featurenet_checks_the_labels_against_the_meta_record(
     (project / "models" / "featurenet.pt").write_bytes(b"previous weights")
     before = dir_digest(project)
     monkeypatch.chdir(project)
-    monkeypatch.setattr(sys, "argv", ["featurenet"])
-    with pytest.raises(SystemExit) as exited:
-        _cli.run(featurenet_stage.main, "featurenet")
-    assert exited.value.code == 2
-    err = capsys.readouterr().err
+    err = run_stage_in_process(featurenet_stage, "featurenet", monkeypatch, capsys)
     assert err.startswith(f"error: data/{split}.lmdb: "), err
     assert words in err and err.rstrip().endswith("rebuild it with `dvc repro prepare`"), err
     assert "Traceback" not in err
