@@ -59,7 +59,7 @@ def rss_mb() -> float:
 
 def run_config(config: dict) -> dict:
     """Time ``steps`` training steps of one configuration; called in a fresh process."""
-    from ganpipe import loop, runtime
+    from ganpipe import build, runtime, stream
     from ganpipe.instrument import PassCounter
     from ganpipe.params import parse_params
     from ganpipe.strategies import STRATEGIES
@@ -82,7 +82,7 @@ def run_config(config: dict) -> dict:
     )
     runtime.configure_runtime(params.seed, params.devices, params.determinism)
     device = torch.device("cpu")
-    gan, _ = loop.build_gan(params, device)
+    gan, _ = build.build_gan(params, device)
     strategy = STRATEGIES[params.train.strategy]
     gen = torch.Generator().manual_seed(0)
     reals = [torch.rand(64, channels, size, size, generator=gen) * 2 - 1 for _ in range(4)]
@@ -90,14 +90,14 @@ def run_config(config: dict) -> dict:
 
     counter = PassCounter(gan.g, gan.d)
     counter.watch_real(reals[0])
-    strategy(gan, [reals[0]], [loop.latents(0, 0, 64, 100)])
+    strategy(gan, [reals[0]], [stream.latents(0, 0, 64, 100)])
     passes = dict(counter.counts)
     param_grads = dict(counter.param_grads)
 
     times = []
     for step in range(config["warmup"] + config["steps"]):
         real = reals[step % len(reals)]
-        z = loop.latents(0, step, 64, 100)
+        z = stream.latents(0, step, 64, 100)
         start = time.perf_counter()
         strategy(gan, [real], [z])
         times.append(time.perf_counter() - start)
@@ -173,7 +173,7 @@ def paired(steps: int, threads: int, warmup: int = 2) -> dict:
     step), and each ratio is taken between neighbouring steps: load and drift on this shared
     machine hit the three alike, which separate processes (part 1) cannot promise.
     """
-    from ganpipe import loop, runtime
+    from ganpipe import build, runtime, stream
     from ganpipe.params import parse_params
     from ganpipe.strategies import STRATEGIES
 
@@ -193,12 +193,12 @@ def paired(steps: int, threads: int, warmup: int = 2) -> dict:
                 }
             )
             runtime.configure_runtime(params.seed, params.devices, params.determinism)
-            gans[name] = loop.build_gan(params, torch.device("cpu"))[0]
+            gans[name] = build.build_gan(params, torch.device("cpu"))[0]
         gen = torch.Generator().manual_seed(0)
         reals = [torch.rand(64, 3, 64, 64, generator=gen) * 2 - 1 for _ in range(4)]
         times: dict[str, list[float]] = {name: [] for name in STRATEGY_NAMES}
         for step in range(warmup + steps):
-            real, z = reals[step % len(reals)], loop.latents(0, step, 64, 100)
+            real, z = reals[step % len(reals)], stream.latents(0, step, 64, 100)
             order = STRATEGY_NAMES[step % 3 :] + STRATEGY_NAMES[: step % 3]
             for name in order:
                 start = time.perf_counter()

@@ -138,7 +138,7 @@ def descendants(pid: int) -> list[int]:
 
 
 class Recorder:
-    """A training logger that keeps what the loop reports (``loop.TrainLogger``)."""
+    """A training logger that keeps what the loop reports (``trainlog.TrainLogger``)."""
 
     def __init__(self):
         self.scalars, self.grids = [], []

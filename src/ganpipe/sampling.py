@@ -165,3 +165,13 @@ def export_pngs(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@torch.no_grad()
+def snapshot(generator: torch.nn.Module, z: torch.Tensor, rows: int) -> np.ndarray:
+    """A ``rows x rows`` grid (HWC uint8) from fixed latents, with G in eval mode."""
+    was_training = generator.training
+    generator.eval()
+    images = generator(z).float().cpu()
+    generator.train(was_training)
+    return image_grid(images, rows)

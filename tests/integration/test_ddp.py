@@ -118,7 +118,7 @@ def test_two_process_runs_are_bit_identical(tmp_path, data_dir):
 
 ALLREDUCE_WORKER = """
 import json, torch, torch.distributed as dist
-from ganpipe import loop
+from ganpipe import build
 from ganpipe.dist import DistContext, unwrap
 from ganpipe.params import parse_params
 from ganpipe.strategies import STRATEGIES
@@ -134,8 +134,8 @@ for accum in (1, 2):
                                "data": {"image_size": 16},
                                "train": {"batch_size": 16, "grad_accum": accum,
                                          "optimizer": "sgd", "lr_g": 0.01, "lr_d": 0.01}})
-        gan, _ = loop.build_gan(params, context)
-        whole, _ = loop.build_gan(params.model_copy(update={"train": params.train.model_copy(
+        gan, _ = build.build_gan(params, context)
+        whole, _ = build.build_gan(params.model_copy(update={"train": params.train.model_copy(
             update={"grad_accum": 1})}), torch.device("cpu"))  # one process, whole batch
         calls = {"G": 0, "D": 0}
         def counting(net):

@@ -100,7 +100,7 @@ NORM_WORKER = textwrap.dedent(
     """
     import json, os, sys
     import torch
-    from ganpipe import dist, loop
+    from ganpipe import build, dist
     from ganpipe.params import parse_params
 
     raw, counts = json.loads(sys.argv[1]), {}
@@ -111,7 +111,7 @@ NORM_WORKER = textwrap.dedent(
     )
     for norm in ("batch", "sync_batch"):
         raw["model"]["norm"] = norm
-        gan, _ = loop.build_gan(parse_params(raw), context)
+        gan, _ = build.build_gan(parse_params(raw), context)
         for name, net in (("g", gan.g), ("d", gan.d)):
             modules = list(dist.unwrap(net).modules())
             counts[f"{norm}/{name}"] = {

@@ -998,7 +998,7 @@ def foreign_adam_moment(state: dict) -> None:
 def test_a_checkpoint_of_the_wrong_shapes_falls_back_like_a_damaged_one(
     tmp_path, tiny_train_set, caplog
 ):
-    caplog.set_level(logging.INFO, logger="ganpipe.loop")
+    caplog.set_level(logging.INFO, logger="ganpipe.runstate")
     run_dir = tmp_path / "run"
     uninterrupted = train_tiny(run_dir, tiny_train_set)
     newest, previous = checkpoint.list_checkpoints(run_dir)

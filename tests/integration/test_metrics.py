@@ -9,7 +9,7 @@ import pytest
 import torch
 from torchvision.transforms.functional import gaussian_blur
 
-from ganpipe import evaluation, loop
+from ganpipe import build, evaluation, loop
 from ganpipe.checkpoint import save_atomic
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.prepare import prepare_dataset
@@ -91,7 +91,7 @@ def test_real_vs_held_out_is_near_zero_and_degrading_images_raises_both(data_dir
 @pytest.fixture(scope="module")
 def generators(data_dir):
     params = parse_params(GAN)
-    untrained, _ = loop.build_gan(params, CPU)
+    untrained, _ = build.build_gan(params, CPU)
     result = loop.train(params, LmdbImageDataset(data_dir / "train.lmdb"), CPU, progress=False)
     return params, untrained.g, result.g_ema.module
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ganpipe import checkpoint, loop, runtime
+from ganpipe import checkpoint, dist, loop, runtime, strategies, stream
 from ganpipe.checkpoint import load, load_newest_checkpoint, run_fingerprint, save_checkpoint
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.prepare import prepare_dataset
@@ -423,14 +423,14 @@ def test_stale_temporaries_of_killed_writes_are_removed(tmp_path, data_dir):
 
 def test_a_diverged_run_keeps_the_last_good_checkpoint(tmp_path, data_dir, monkeypatch):
     calls = {"n": 0}
-    move = loop.to_device_images
+    move = stream.to_device_images
 
     def poisoned(batch, device):
         calls["n"] += 1
         images = move(batch, device)
         return images * float("nan") if calls["n"] == 15 else images
 
-    monkeypatch.setattr(loop, "to_device_images", poisoned)
+    monkeypatch.setattr(stream, "to_device_images", poisoned)
     params = parse_params(RUN)  # checkpoints every 10 iterations
     assert_diverges_keeping_the_first_checkpoint(
         params, data_dir, tmp_path / "run", "non-finite loss at step 15"
@@ -456,7 +456,7 @@ def assert_diverges_keeping_the_first_checkpoint(params, data_dir, run_dir, mess
 def test_non_finite_weights_are_never_checkpointed(tmp_path, data_dir, monkeypatch):
     """The loss of a step is computed before its update: a step that turns the weights
     non-finite shows a finite loss. The weights are checked before every save."""
-    strategy = loop.STRATEGIES["d_first_detach"]
+    strategy = strategies.STRATEGIES["d_first_detach"]
     calls = {"n": 0}
 
     def poisoning(gan, reals, zs):
@@ -464,10 +464,10 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path, data_dir, monkeypat
         calls["n"] += 1
         if calls["n"] == 20:  # after the update of the step that ends with a checkpoint
             with torch.no_grad():
-                next(loop.dist.unwrap(gan.d).parameters()).fill_(float("inf"))
+                next(dist.unwrap(gan.d).parameters()).fill_(float("inf"))
         return stats
 
-    monkeypatch.setitem(loop.STRATEGIES, "d_first_detach", poisoning)
+    monkeypatch.setitem(strategies.STRATEGIES, "d_first_detach", poisoning)
     assert_diverges_keeping_the_first_checkpoint(
         parse_params(RUN), data_dir, tmp_path / "run", "non-finite weights after step 20"
     )

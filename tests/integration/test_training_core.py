@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from ganpipe import loop, runtime
+from ganpipe import build, loop, runtime, stream
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.prepare import prepare_dataset
 from ganpipe.params import DataParams, parse_params
@@ -127,11 +127,11 @@ def memory_growth(step, steps: int = 300, warmup: int = 30) -> tuple[int, float]
 def training_steps(strategy: str = "d_first_detach"):
     params = tiny(ema_kimg=1.0)
     runtime.configure_runtime(params.seed, params.devices, params.determinism)
-    gan, ema = loop.build_gan(params, torch.device("cpu"))
+    gan, ema = build.build_gan(params, torch.device("cpu"))
     real = torch.rand(16, 1, 16, 16) * 2 - 1
 
     def step(i):
-        z = loop.latents(0, i, 16, 8)
+        z = stream.latents(0, i, 16, 8)
         STRATEGIES[strategy](gan, [real], [z])
         ema.update(gan.g, 16)
 
@@ -216,14 +216,14 @@ def test_the_memory_check_catches_a_leak(memory_growths):
 
 def test_a_non_finite_loss_names_the_step_strategy_and_loss(digits16, monkeypatch):
     calls = {"n": 0}
-    real_move = loop.to_device_images
+    real_move = stream.to_device_images
 
     def poisoned(batch, device):
         calls["n"] += 1
         images = real_move(batch, device)
         return images * float("nan") if calls["n"] == 3 else images
 
-    monkeypatch.setattr(loop, "to_device_images", poisoned)
+    monkeypatch.setattr(stream, "to_device_images", poisoned)
     params = tiny(strategy="g_first_detach", loss="hinge")
     with pytest.raises(FloatingPointError) as info:
         loop.train(
@@ -322,13 +322,13 @@ def test_logged_scalars_are_exactly_the_documented_keys(digits16, precision):
 def test_data_loader_workers_give_bit_identical_weights(digits16, monkeypatch):
     """Batches are functions of the step: two worker processes read the same batches."""
     workers = []
-    real_loader = loop.DataLoader
+    real_loader = stream.DataLoader
 
     def recording_loader(*args, **kwargs):
         workers.append(kwargs["num_workers"])
         return real_loader(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "DataLoader", recording_loader)
+    monkeypatch.setattr(stream, "DataLoader", recording_loader)
     states = []
     for num_workers in (0, 2):
         result = loop.train(

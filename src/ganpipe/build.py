@@ -1,0 +1,59 @@
+"""Assembling a run's GAN from the params: networks, optimizers, loss, precision, EMA."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ganpipe import dist, runtime
+from ganpipe.dist import DistContext
+from ganpipe.ema import EmaGenerator
+from ganpipe.losses import build_loss
+from ganpipe.nets import build_models
+from ganpipe.params import Params, TrainParams
+from ganpipe.strategies import Gan
+
+
+def scaled_lr(lr: float, train: TrainParams) -> float:
+    """``lr`` at ``train.batch_size`` under ``train.lr_scaling`` from ``reference_batch``."""
+    ratio = train.batch_size / train.reference_batch
+    return lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[train.lr_scaling]
+
+
+def build_gan(params: Params, context: DistContext | torch.device) -> tuple[Gan, EmaGenerator]:
+    """G, D (DDP-wrapped when distributed), optimizers, loss, precision tools, EMA of G.
+
+    The weights are a function of ``params.seed`` only (the same on every rank).
+    """
+    if isinstance(context, torch.device):
+        context = DistContext(device=context)
+    cfg, device = params.train, context.device
+    g, d = build_models(
+        params.model,
+        params.data.image_size,
+        params.data.channels,
+        runtime.seeded_generator(params.seed, "init"),
+        cfg.activation_checkpointing,
+    )
+    g_ema = EmaGenerator(g, cfg.ema_kimg).to(device)
+    sync_bn = params.model.norm == "sync_batch"
+    g, d = dist.wrap(g.to(device), context, sync_bn), dist.wrap(d.to(device), context, sync_bn)
+
+    def optimizer(net: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+        if cfg.optimizer == "sgd":
+            return torch.optim.SGD(net.parameters(), lr=scaled_lr(lr, cfg))
+        return torch.optim.Adam(net.parameters(), lr=scaled_lr(lr, cfg), betas=cfg.betas)
+
+    gan = Gan(
+        g=g,
+        d=d,
+        opt_g=optimizer(g, cfg.lr_g),
+        opt_d=optimizer(d, cfg.lr_d),
+        loss=build_loss(cfg),
+        scaler_g=runtime.grad_scaler(params.precision, device),
+        scaler_d=runtime.grad_scaler(params.precision, device),
+        autocast=runtime.autocast_factory(params.precision, device),
+        grad_accum=cfg.grad_accum,
+    )
+    return gan, g_ema

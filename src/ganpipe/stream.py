@@ -1,0 +1,127 @@
+"""What each training iteration consumes: real batches and latents, functions of the step.
+
+Global batch ``k`` of a run and its latents depend on ``(seed, k)`` only, whatever the
+world size: rank ``r`` of ``w`` takes its ``r``-th contiguous ``1/w`` of each. So one
+process with the whole batch and ``w`` processes with a share each see the same global
+batches (what makes DDP equal to one process), and a run can start at any step (resume).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from ganpipe import runtime
+from ganpipe.data.dataset import uint8_to_float
+from ganpipe.dist import DistContext
+from ganpipe.params import Params
+
+
+class EpochBatchSampler(Sampler[list[int]]):
+    """This rank's part of global batches: epoch ``e`` is a permutation seeded by ``(seed, e)``.
+
+    This replaces ``DistributedSampler``, whose batches depend on the world size and which
+    can only restart at an epoch boundary. The incomplete last batch of each epoch is
+    dropped.
+    """
+
+    def __init__(
+        self,
+        num_items: int,
+        batch_size: int,
+        seed: int,
+        start_step: int,
+        steps: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        self.num_items, self.batch_size, self.seed = num_items, batch_size, seed
+        self.start_step, self.steps = start_step, steps
+        self.steps_per_epoch = num_items // batch_size
+        share = batch_size // world_size
+        self.share = slice(rank * share, (rank + 1) * share)
+
+    def __len__(self) -> int:
+        return self.steps - self.start_step
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, order = -1, None
+        for step in range(self.start_step, self.steps):
+            if step // self.steps_per_epoch != epoch:
+                epoch = step // self.steps_per_epoch
+                order = torch.randperm(
+                    self.num_items, generator=runtime.seeded_generator(self.seed, "epoch", epoch)
+                )
+            first = (step % self.steps_per_epoch) * self.batch_size
+            yield order[first : first + self.batch_size][self.share].tolist()
+
+
+def latents(seed: int, step: int, batch_size: int, z_dim: int) -> torch.Tensor:
+    """The latents of global batch ``step``: a function of the seed and the step only."""
+    return torch.randn(batch_size, z_dim, generator=runtime.seeded_generator(seed, "z", step))
+
+
+def data_position(batches_done: int, num_items: int, batch_size: int) -> dict[str, int]:
+    """Where the data stream stands after ``batches_done`` global batches."""
+    per_epoch = num_items // batch_size
+    return {"epoch": batches_done // per_epoch, "offset": batches_done % per_epoch}
+
+
+def to_device_images(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Move a batch to the device; uint8 batches (a quarter of the bytes) convert there."""
+    batch = batch.to(device, non_blocking=True)
+    return uint8_to_float(batch) if batch.dtype == torch.uint8 else batch
+
+
+class Stream:
+    """The inputs of iterations ``start, start + 1, ...`` of a run, on this rank's device.
+
+    Iteration ``i`` makes ``train.n_critic`` D updates, each on its own global batch
+    ``i * n_critic + k``; :meth:`next` returns this rank's share of those batches and of
+    their latents, in order. Iterations must be asked for one after another from ``start``.
+    """
+
+    def __init__(
+        self, params: Params, dataset: Dataset, context: DistContext, start: int, iterations: int
+    ):
+        cfg = params.train
+        self.seed, self.n_critic, self.batch_size = params.seed, cfg.n_critic, cfg.batch_size
+        self.z_dim, self.device = params.model.z_dim, context.device
+        self.mine = context.local_slice(cfg.batch_size)
+        self.expected = min(start, iterations)
+        sampler = EpochBatchSampler(
+            len(dataset),
+            cfg.batch_size,
+            params.seed,
+            self.expected * cfg.n_critic,
+            iterations * cfg.n_critic,
+            context.rank,
+            context.world_size,
+        )
+        # Workers hold no random state the run uses (decoding is deterministic), so seeding
+        # them from the start-of-run generator again after a resume changes no bits.
+        loader = DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            num_workers=cfg.num_workers,
+            worker_init_fn=runtime.seed_worker,
+            generator=runtime.seeded_generator(params.seed, "workers", context.rank),
+            pin_memory=self.device.type == "cuda",
+            persistent_workers=cfg.num_workers > 0,
+        )
+        self.batches = iter(loader)
+
+    def next(self, iteration: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """This rank's real images and latents of ``iteration``'s ``n_critic`` batches."""
+        if iteration != self.expected:
+            raise RuntimeError(f"stream at iteration {self.expected}, asked for {iteration}")
+        self.expected += 1
+        first = iteration * self.n_critic
+        reals = [to_device_images(next(self.batches)[0], self.device) for _ in range(self.n_critic)]
+        zs = [
+            latents(self.seed, first + k, self.batch_size, self.z_dim)[self.mine].to(self.device)
+            for k in range(self.n_critic)
+        ]
+        return reals, zs
