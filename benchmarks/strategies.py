@@ -62,7 +62,7 @@ def run_config(config: dict) -> dict:
     from ganpipe import build, runtime, stream
     from ganpipe.instrument import PassCounter
     from ganpipe.params import parse_params
-    from ganpipe.strategies import STRATEGIES
+    from ganpipe.strategies import STRATEGIES, Batch
 
     size, channels, width = config["size"], 1 if config["size"] == 32 else 3, config["size"]
     params = parse_params(
@@ -90,7 +90,7 @@ def run_config(config: dict) -> dict:
 
     counter = PassCounter(gan.g, gan.d)
     counter.watch_real(reals[0])
-    strategy(gan, [reals[0]], [stream.latents(0, 0, 64, 100)])
+    strategy(gan, Batch.many([reals[0]], [stream.latents(0, 0, 64, 100)]))
     passes = dict(counter.counts)
     param_grads = dict(counter.param_grads)
 
@@ -99,7 +99,7 @@ def run_config(config: dict) -> dict:
         real = reals[step % len(reals)]
         z = stream.latents(0, step, 64, 100)
         start = time.perf_counter()
-        strategy(gan, [real], [z])
+        strategy(gan, Batch.many([real], [z]))
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times[config["warmup"] :])
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
@@ -175,7 +175,7 @@ def paired(steps: int, threads: int, warmup: int = 2) -> dict:
     """
     from ganpipe import build, runtime, stream
     from ganpipe.params import parse_params
-    from ganpipe.strategies import STRATEGIES
+    from ganpipe.strategies import STRATEGIES, Batch
 
     results = {}
     for precision in ("fp32", "bf16"):
@@ -202,7 +202,7 @@ def paired(steps: int, threads: int, warmup: int = 2) -> dict:
             order = STRATEGY_NAMES[step % 3 :] + STRATEGY_NAMES[: step % 3]
             for name in order:
                 start = time.perf_counter()
-                STRATEGIES[name](gans[name], [real], [z])
+                STRATEGIES[name](gans[name], Batch.many([real], [z]))
                 times[name].append(time.perf_counter() - start)
         base = times["d_first_detach"][warmup:]
         results[precision] = {

@@ -7,6 +7,7 @@ import math
 import torch
 
 from ganpipe import dist, runtime
+from ganpipe.augment import Augment
 from ganpipe.dist import DistContext
 from ganpipe.ema import EmaGenerator
 from ganpipe.losses import build_loss
@@ -55,5 +56,8 @@ def build_gan(params: Params, context: DistContext | torch.device) -> tuple[Gan,
         scaler_d=runtime.grad_scaler(params.precision, device),
         autocast=runtime.autocast_factory(params.precision, device),
         grad_accum=cfg.grad_accum,
+        augment=Augment(cfg.augment_policy, torch.tensor(cfg.augment_p, device=device))
+        if cfg.augment_policy
+        else None,
     )
     return gan, g_ema

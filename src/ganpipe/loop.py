@@ -138,8 +138,7 @@ def train(
     )
     with bar:
         for it in range(start, iterations):
-            reals, zs = stream.next(it)
-            stats = strategy(gan, reals, zs)
+            stats = strategy(gan, stream.next(it))
             g_ema.update(dist.unwrap(gan.g), per_iteration)
             meter.add(it, stats)
             bar.update(per_iteration)

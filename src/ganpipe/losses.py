@@ -12,9 +12,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ganpipe.params import TrainParams
+
+Critic = Callable[[torch.Tensor], torch.Tensor]
+"""D as the penalties call it: images -> scores (a network, or a closure that adds the
+labels of a conditional D and the augmentation of its pass)."""
 
 
 def bce_d(real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
@@ -42,7 +45,7 @@ def mean_score_g(fake: torch.Tensor) -> torch.Tensor:
     return -fake.float().mean()
 
 
-def _input_grad_sq_norm(d: nn.Module, images: torch.Tensor) -> torch.Tensor:
+def _input_grad_sq_norm(d: Critic, images: torch.Tensor) -> torch.Tensor:
     """Per-sample ``||∇_x D(x)||²``, keeping the graph for the double backward."""
     images = images.detach().float().requires_grad_(True)
     with torch.autocast(images.device.type, enabled=False):
@@ -52,7 +55,7 @@ def _input_grad_sq_norm(d: nn.Module, images: torch.Tensor) -> torch.Tensor:
 
 
 def gradient_penalty(
-    d: nn.Module, real: torch.Tensor, fake: torch.Tensor, weight: float
+    d: Critic, real: torch.Tensor, fake: torch.Tensor, weight: float
 ) -> torch.Tensor:
     """WGAN-GP (Gulrajani et al. 2017): ``λ E[(||∇D(x̂)||₂ - 1)²]``, x̂ between real and fake.
 
@@ -64,12 +67,12 @@ def gradient_penalty(
     return weight * (_input_grad_sq_norm(d, mixed).sqrt() - 1).square().mean()
 
 
-def r1_penalty(d: nn.Module, real: torch.Tensor, gamma: float) -> torch.Tensor:
+def r1_penalty(d: Critic, real: torch.Tensor, gamma: float) -> torch.Tensor:
     """R1 (Mescheder et al. 2018): ``γ/2 E[||∇_x D(x)||²]`` on real images."""
     return gamma / 2 * _input_grad_sq_norm(d, real).mean()
 
 
-Penalty = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+Penalty = Callable[[Critic, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)

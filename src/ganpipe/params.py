@@ -26,6 +26,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    field_validator,
     model_validator,
 )
 from ruamel.yaml import YAML
@@ -39,6 +40,8 @@ from ruamel.yaml.events import (
 
 #: Image sizes the DCGAN family supports (4x4 core doubled until the output size).
 DCGAN_IMAGE_SIZES = (16, 32, 64)
+AUGMENT_POLICIES = ("color", "translation", "cutout")
+"""The operations of train.augment (:mod:`ganpipe.augment`)."""
 
 #: Upper bound of every length and interval in kimg: a billion images. Without one, a value
 #: like 1e308 passes validation and overflows when the loop turns it into iterations.
@@ -279,6 +282,32 @@ class TrainParams(_Section):
     num_workers: int = Field(0, ge=0, le=64)
     """DataLoader worker processes. 0 reads in the training process, which is fastest for
     small images on a 2-core machine."""
+    augment: str = Field("none", max_length=64)
+    """Differentiable augmentation of every image D sees, real and generated, in every pass
+    (DiffAugment, Zhao et al. 2020): none, or a comma-separated policy of color,
+    translation and cutout (e.g. color,translation,cutout, DiffAugment's choice for small
+    data). Random numbers derive from the seed and the batch: runs stay reproducible."""
+    augment_p: float = Field(1.0, ge=0.0, le=1.0)
+    """Probability that an image is augmented (ADA's strength p; DiffAugment uses 1)."""
+
+    @field_validator("augment")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value == "none":
+            return value
+        names = [name.strip() for name in value.split(",")]
+        unknown = [name for name in names if name not in AUGMENT_POLICIES]
+        if unknown or len(set(names)) != len(names):
+            raise ValueError(
+                f"train.augment={value!r}: use none or a comma-separated list of "
+                f"{', '.join(AUGMENT_POLICIES)} without repeats (e.g. color,translation,cutout)"
+            )
+        return ",".join(names)
+
+    @property
+    def augment_policy(self) -> tuple[str, ...]:
+        """The augmentation operations in order; empty for none."""
+        return () if self.augment == "none" else tuple(self.augment.split(","))
 
 
 class GenerateParams(_Section):

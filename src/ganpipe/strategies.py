@@ -1,6 +1,7 @@
 """The three update strategies of one GAN training iteration, side by side.
 
-Each takes ``n_critic`` real batches and latent batches and makes ``n_critic`` D updates
+Each takes ``n_critic`` global batches (:class:`Batch`: this rank's real images and latents,
+and the labels and augmentation draws when configured) and makes ``n_critic`` D updates
 and one G update. They differ only in the order of the updates and in which D the
 generator's gradient sees (DESIGN.md, README "Update strategies"):
 
@@ -21,17 +22,54 @@ all-reduces once per update (``no_sync`` on all micro-batches but the last).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ganpipe.augment import Augment
 from ganpipe.losses import GanLoss
 
 Stats = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """This rank's share of one global batch: what one D update (and a G update) consumes."""
+
+    real: Tensor
+    z: Tensor
+    real_labels: Tensor | None = None
+    """Classes of the real images (class-conditional models only)."""
+    fake_labels: Tensor | None = None
+    """Classes the fakes of ``z`` are drawn for (class-conditional models only)."""
+    draws: dict[str, Tensor] | None = None
+    """Augmentation uniforms per pass of D (``real``, ``fake``, ``g``; train.augment only)."""
+
+    @classmethod
+    def many(cls, reals: Sequence[Tensor], zs: Sequence[Tensor]) -> list[Batch]:
+        """Batches of images and latents only (no labels, no augmentation)."""
+        return [cls(real, z) for real, z in zip(reals, zs, strict=True)]
+
+    def chunk(self, parts: int) -> list[Batch]:
+        """``parts`` equal micro-batches, each sample keeping its labels and draws."""
+
+        def split(value):
+            if value is None:
+                return [None] * parts
+            if isinstance(value, dict):
+                pieces = {k: split(v) for k, v in value.items()}
+                return [{k: v[i] for k, v in pieces.items()} for i in range(parts)]
+            pieces = value.chunk(parts)
+            if len(pieces) != parts:
+                raise ValueError(f"a batch of {len(value)} cannot be split in {parts}")
+            return pieces
+
+        columns = {f.name: split(getattr(self, f.name)) for f in fields(self)}
+        return [replace(self, **{k: v[i] for k, v in columns.items()}) for i in range(parts)]
 
 
 @dataclass
@@ -52,6 +90,8 @@ class Gan:
     autocast: Callable[[], AbstractContextManager]
     grad_accum: int = 1
     """Micro-batches per update: their gradients add up before the optimizer steps."""
+    augment: Augment | None = None
+    """Applied to every image D sees (train.augment), with the batch's draws of the pass."""
     skipped: dict[str, int | Tensor] = field(default_factory=lambda: {"g": 0, "d": 0})
     """Optimizer steps the fp16 scalers skipped (inf/NaN gradients), per network: device
     counters, read (:meth:`skipped_steps`) at log and checkpoint intervals only."""
@@ -60,9 +100,23 @@ class Gan:
         """:attr:`skipped` read back to the host (a sync with the device)."""
         return {name: int(count) for name, count in self.skipped.items()}
 
-    def micro(self, real: torch.Tensor, z: torch.Tensor) -> Iterator[tuple[Tensor, Tensor]]:
-        """This rank's batch as ``grad_accum`` equal micro-batches of (real, latent)."""
-        return zip(real.chunk(self.grad_accum), z.chunk(self.grad_accum), strict=True)
+    def micro(self, batch: Batch) -> list[Batch]:
+        """This rank's batch as ``grad_accum`` equal micro-batches."""
+        return batch.chunk(self.grad_accum)
+
+    def fake(self, batch: Batch) -> Tensor:
+        """G's images for the batch's latents (and classes)."""
+        if batch.fake_labels is None:
+            return self.g(batch.z)
+        return self.g(batch.z, batch.fake_labels)
+
+    def score(self, images: Tensor, batch: Batch, which: str) -> Tensor:
+        """D's scores of the batch's reals (``which="real"``) or fakes (``"fake"``: D's
+        update, ``"g"``: G's), augmented with that pass's draws."""
+        if self.augment is not None:
+            images = self.augment(images, batch.draws[which])
+        labels = batch.real_labels if which == "real" else batch.fake_labels
+        return self.d(images) if labels is None else self.d(images, labels)
 
     def accumulating(self, net: nn.Module, last: bool) -> AbstractContextManager:
         """DDP's ``no_sync`` for every micro-batch but the last.
@@ -82,11 +136,18 @@ class Gan:
         """
         return self.accumulating(net, last=False)
 
-    def d_loss(self, real_scores, fake_scores, real, fake) -> torch.Tensor:
-        """D's loss, plus its penalty (which runs its own D forward) when configured."""
+    def d_loss(self, real_scores, fake_scores, batch: Batch, fake: Tensor) -> torch.Tensor:
+        """D's loss, plus its penalty (which runs its own D forward) when configured.
+
+        The penalty's D sees the reals' labels and augmentation: its gradient is taken with
+        respect to the images before augmentation."""
         loss = self.loss.d(real_scores, fake_scores)
         if self.loss.penalty is not None:
-            loss = loss + self.loss.penalty(self.d, real, fake.detach())
+
+            def critic(images: Tensor) -> Tensor:
+                return self.score(images, batch, "real")
+
+            loss = loss + self.loss.penalty(critic, batch.real, fake.detach())
         return loss
 
     def backward(self, loss: torch.Tensor, net: nn.Module, retain_graph: bool = False) -> None:
@@ -141,42 +202,42 @@ def _stats(d: _Record, g: _Record, norm_d, norm_g) -> Stats:
     }
 
 
-def _d_micro(gan: Gan, real, fake, last: bool, record: _Record) -> None:
+def _d_micro(gan: Gan, batch: Batch, fake, last: bool, record: _Record) -> None:
     """D's forward and backward on one micro-batch (``fake`` is used detached)."""
     with gan.accumulating(gan.d, last):
         with gan.autocast():
-            fake_scores = gan.d(fake.detach())
-            real_scores = gan.d(real)
-        loss = gan.d_loss(real_scores, fake_scores, real, fake) / gan.grad_accum
+            fake_scores = gan.score(fake.detach(), batch, "fake")
+            real_scores = gan.score(batch.real, batch, "real")
+        loss = gan.d_loss(real_scores, fake_scores, batch, fake) / gan.grad_accum
         gan.backward(loss, gan.d)
     record.add(loss, real_scores, fake_scores)
 
 
-def _critic_update(gan: Gan, real: torch.Tensor, z: torch.Tensor) -> None:
+def _critic_update(gan: Gan, batch: Batch) -> None:
     """An extra D update (n_critic > 1) on fakes made without a graph."""
     gan.opt_d.zero_grad(set_to_none=True)
-    for i, (real_i, z_i) in enumerate(gan.micro(real, z)):
+    for i, micro in enumerate(gan.micro(batch)):
         with torch.no_grad(), gan.autocast():
-            fake = gan.g(z_i)
-        _d_micro(gan, real_i, fake, i == gan.grad_accum - 1, _Record())
+            fake = gan.fake(micro)
+        _d_micro(gan, micro, fake, i == gan.grad_accum - 1, _Record())
     gan.step(gan.opt_d)
 
 
-def d_first_retain(gan: Gan, reals: Sequence[torch.Tensor], zs: Sequence[torch.Tensor]) -> Stats:
+def d_first_retain(gan: Gan, batches: Sequence[Batch]) -> Stats:
     """One shared forward; both gradients against the pre-update D, then both steps."""
-    for real, z in zip(reals[:-1], zs[:-1], strict=True):
-        _critic_update(gan, real, z)
+    for batch in batches[:-1]:
+        _critic_update(gan, batch)
     gan.opt_d.zero_grad(set_to_none=True)
     gan.opt_g.zero_grad(set_to_none=True)
     rec_d, rec_g = _Record(), _Record()
-    for i, (real, z) in enumerate(gan.micro(reals[-1], zs[-1])):
+    for i, micro in enumerate(gan.micro(batches[-1])):
         last = i == gan.grad_accum - 1
         with gan.accumulating(gan.g, last), gan.accumulating(gan.d, last):
             with gan.autocast():
-                fake = gan.g(z)
-                fake_scores = gan.d(fake)
-                real_scores = gan.d(real)
-            loss_d = gan.d_loss(real_scores, fake_scores, real, fake) / gan.grad_accum
+                fake = gan.fake(micro)
+                fake_scores = gan.score(fake, micro, "fake")
+                real_scores = gan.score(micro.real, micro, "real")
+            loss_d = gan.d_loss(real_scores, fake_scores, micro, fake) / gan.grad_accum
             loss_g = gan.loss.g(fake_scores) / gan.grad_accum
             gan.backward(loss_d, gan.d, retain_graph=True)
             gan.backward(loss_g, gan.g)
@@ -187,7 +248,7 @@ def d_first_retain(gan: Gan, reals: Sequence[torch.Tensor], zs: Sequence[torch.T
     return _stats(rec_d, rec_g, norm_d, norm_g)
 
 
-def d_first_detach(gan: Gan, reals: Sequence[torch.Tensor], zs: Sequence[torch.Tensor]) -> Stats:
+def d_first_detach(gan: Gan, batches: Sequence[Batch]) -> Stats:
     """D on detached fakes and steps; then G through a fresh pass of the updated D.
 
     With one micro-batch, G's forward of the D phase is kept for the G phase. With
@@ -195,57 +256,57 @@ def d_first_detach(gan: Gan, reals: Sequence[torch.Tensor], zs: Sequence[torch.T
     again per micro-batch: keeping every micro-batch's graph would cost the memory that
     accumulation saves, and DDP must see each micro-batch's forward just before its backward.
     """
-    for real, z in zip(reals[:-1], zs[:-1], strict=True):
-        _critic_update(gan, real, z)
+    for batch in batches[:-1]:
+        _critic_update(gan, batch)
     keep_graph = gan.grad_accum == 1
-    micro = list(gan.micro(reals[-1], zs[-1]))
+    micros = gan.micro(batches[-1])
     gan.opt_d.zero_grad(set_to_none=True)
     rec_d, rec_g, fakes = _Record(), _Record(), []
-    for i, (real, z) in enumerate(micro):
+    for i, micro in enumerate(micros):
         with torch.set_grad_enabled(keep_graph), gan.autocast():
-            fake = gan.g(z)
-        _d_micro(gan, real, fake, i == gan.grad_accum - 1, rec_d)
+            fake = gan.fake(micro)
+        _d_micro(gan, micro, fake, i == gan.grad_accum - 1, rec_d)
         fakes.append(fake)
     norm_d = gan.step(gan.opt_d)
 
     gan.opt_g.zero_grad(set_to_none=True)
-    for i, ((_, z), fake) in enumerate(zip(micro, fakes, strict=True)):
+    for i, (micro, fake) in enumerate(zip(micros, fakes, strict=True)):
         with gan.accumulating(gan.g, i == gan.grad_accum - 1), gan.frozen(gan.d):
             with gan.autocast():
                 if not keep_graph:
-                    fake = gan.g(z)
-                loss_g = gan.loss.g(gan.d(fake)) / gan.grad_accum
+                    fake = gan.fake(micro)
+                loss_g = gan.loss.g(gan.score(fake, micro, "g")) / gan.grad_accum
             gan.backward(loss_g, gan.g)
         rec_g.add(loss_g)
     norm_g = gan.step(gan.opt_g)
     return _stats(rec_d, rec_g, norm_d, norm_g)
 
 
-def g_first_detach(gan: Gan, reals: Sequence[torch.Tensor], zs: Sequence[torch.Tensor]) -> Stats:
+def g_first_detach(gan: Gan, batches: Sequence[Batch]) -> Stats:
     """G through the current D and steps; then D on the detached pre-update fakes."""
-    micro = list(gan.micro(reals[0], zs[0]))
+    micros = gan.micro(batches[0])
     gan.opt_g.zero_grad(set_to_none=True)
     rec_d, rec_g, fakes = _Record(), _Record(), []
-    for i, (_, z) in enumerate(micro):
+    for i, micro in enumerate(micros):
         with gan.accumulating(gan.g, i == gan.grad_accum - 1), gan.frozen(gan.d):
             with gan.autocast():
-                fake = gan.g(z)
-                loss_g = gan.loss.g(gan.d(fake)) / gan.grad_accum
+                fake = gan.fake(micro)
+                loss_g = gan.loss.g(gan.score(fake, micro, "g")) / gan.grad_accum
             gan.backward(loss_g, gan.g)
         rec_g.add(loss_g)
         fakes.append(fake.detach())
     norm_g = gan.step(gan.opt_g)
 
     gan.opt_d.zero_grad(set_to_none=True)
-    for i, ((real, _), fake) in enumerate(zip(micro, fakes, strict=True)):
-        _d_micro(gan, real, fake, i == gan.grad_accum - 1, rec_d)
+    for i, (micro, fake) in enumerate(zip(micros, fakes, strict=True)):
+        _d_micro(gan, micro, fake, i == gan.grad_accum - 1, rec_d)
     norm_d = gan.step(gan.opt_d)
-    for real, z in zip(reals[1:], zs[1:], strict=True):
-        _critic_update(gan, real, z)
+    for batch in batches[1:]:
+        _critic_update(gan, batch)
     return _stats(rec_d, rec_g, norm_d, norm_g)
 
 
-Strategy = Callable[[Gan, Sequence[torch.Tensor], Sequence[torch.Tensor]], Stats]
+Strategy = Callable[[Gan, Sequence[Batch]], Stats]
 
 STRATEGIES: dict[str, Strategy] = {
     "d_first_retain": d_first_retain,

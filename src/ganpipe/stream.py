@@ -13,10 +13,11 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ganpipe import runtime
+from ganpipe import augment, runtime
 from ganpipe.data.dataset import uint8_to_float
 from ganpipe.dist import DistContext
 from ganpipe.params import Params
+from ganpipe.strategies import Batch
 
 
 class EpochBatchSampler(Sampler[list[int]]):
@@ -79,8 +80,9 @@ class Stream:
     """The inputs of iterations ``start, start + 1, ...`` of a run, on this rank's device.
 
     Iteration ``i`` makes ``train.n_critic`` D updates, each on its own global batch
-    ``i * n_critic + k``; :meth:`next` returns this rank's share of those batches and of
-    their latents, in order. Iterations must be asked for one after another from ``start``.
+    ``i * n_critic + k``; :meth:`next` returns this rank's share of those batches, with
+    their latents and (train.augment) augmentation draws, in order. Iterations must be
+    asked for one after another from ``start``.
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class Stream:
         cfg = params.train
         self.seed, self.n_critic, self.batch_size = params.seed, cfg.n_critic, cfg.batch_size
         self.z_dim, self.device = params.model.z_dim, context.device
+        self.augments = bool(cfg.augment_policy)
         self.mine = context.local_slice(cfg.batch_size)
         self.expected = min(start, iterations)
         sampler = EpochBatchSampler(
@@ -113,15 +116,23 @@ class Stream:
         )
         self.batches = iter(loader)
 
-    def next(self, iteration: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """This rank's real images and latents of ``iteration``'s ``n_critic`` batches."""
+    def next(self, iteration: int) -> list[Batch]:
+        """This rank's share of ``iteration``'s ``n_critic`` global batches."""
         if iteration != self.expected:
             raise RuntimeError(f"stream at iteration {self.expected}, asked for {iteration}")
         self.expected += 1
-        first = iteration * self.n_critic
-        reals = [to_device_images(next(self.batches)[0], self.device) for _ in range(self.n_critic)]
-        zs = [
-            latents(self.seed, first + k, self.batch_size, self.z_dim)[self.mine].to(self.device)
-            for k in range(self.n_critic)
-        ]
-        return reals, zs
+        return [self._batch(iteration * self.n_critic + k) for k in range(self.n_critic)]
+
+    def _batch(self, index: int) -> Batch:
+        """Global batch ``index``: its images from the loader, the rest from the seed."""
+        images, _ = next(self.batches)
+        z = latents(self.seed, index, self.batch_size, self.z_dim)[self.mine]
+        draws = None
+        if self.augments:
+            draws = {
+                which: augment.draws(self.seed, index, which, self.batch_size)[self.mine].to(
+                    self.device
+                )
+                for which in augment.PASSES
+            }
+        return Batch(to_device_images(images, self.device), z.to(self.device), draws=draws)

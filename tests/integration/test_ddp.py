@@ -77,15 +77,24 @@ def max_difference(a, b) -> float:
 
 
 @pytest.mark.parametrize(
-    ("strategy", "accum"),
-    [("d_first_retain", 1), ("d_first_detach", 1), ("g_first_detach", 1), ("d_first_detach", 2)],
+    ("strategy", "accum", "policy"),
+    [
+        ("d_first_retain", 1, "none"),
+        ("d_first_detach", 1, "none"),
+        ("g_first_detach", 1, "none"),
+        ("d_first_detach", 2, "none"),
+        # each rank augments its share of the global batch with that share's draws
+        ("g_first_detach", 2, "color,translation,cutout"),
+    ],
 )
-def test_two_processes_equal_one_process_with_the_whole_batch(tmp_path, data_dir, strategy, accum):
-    one = project(tmp_path / "one", data_dir, train={"strategy": strategy})
+def test_two_processes_equal_one_process_with_the_whole_batch(
+    tmp_path, data_dir, strategy, accum, policy
+):
+    one = project(tmp_path / "one", data_dir, train={"strategy": strategy, "augment": policy})
     two = project(
         tmp_path / "two",
         data_dir,
-        train={"strategy": strategy, "grad_accum": accum},
+        train={"strategy": strategy, "grad_accum": accum, "augment": policy},
         devices={"nproc_per_node": 2},
     )
     logs = []
@@ -121,7 +130,7 @@ import json, torch, torch.distributed as dist
 from ganpipe import build
 from ganpipe.dist import DistContext, unwrap
 from ganpipe.params import parse_params
-from ganpipe.strategies import STRATEGIES
+from ganpipe.strategies import STRATEGIES, Batch
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -150,8 +159,8 @@ for accum in (1, 2):
             gen = torch.Generator().manual_seed(step)
             real, z = torch.rand(16, 1, 16, 16, generator=gen), torch.randn(16, 8, generator=gen)
             mine = slice(8 * rank, 8 * rank + 8)
-            STRATEGIES[name](gan, [real[mine]], [z[mine]])
-            STRATEGIES[name](whole, [real], [z])
+            STRATEGIES[name](gan, Batch.many([real[mine]], [z[mine]]))
+            STRATEGIES[name](whole, Batch.many([real], [z]))
         counts[f"{name}/{accum}"] = dict(calls)
         differences[f"{name}/{accum}"] = max(
             (a - b).abs().max().item()

@@ -459,8 +459,8 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path, data_dir, monkeypat
     strategy = strategies.STRATEGIES["d_first_detach"]
     calls = {"n": 0}
 
-    def poisoning(gan, reals, zs):
-        stats = strategy(gan, reals, zs)
+    def poisoning(gan, batches):
+        stats = strategy(gan, batches)
         calls["n"] += 1
         if calls["n"] == 20:  # after the update of the step that ends with a checkpoint
             with torch.no_grad():
@@ -526,6 +526,35 @@ def test_a_resumed_run_writes_the_whole_log_again(tmp_path, data_dir):
     assert without_measurements(resumed.scalars) == without_measurements(whole.scalars)
     assert [seen for seen, _ in resumed.grids] == [seen for seen, _ in whole.grids]
     assert [seen for seen, _ in whole.grids] == [192, 384, 576, 768, 960]
+
+
+def test_an_augmented_run_resumes_to_the_same_bytes(tmp_path, data_dir):
+    """The augmentation draws are functions of the seed and the batch: a run interrupted
+    and resumed augments every batch as the uninterrupted run does."""
+    raw = {**RUN, "train": {**RUN["train"], "kimg": 0.64, "augment": "color,translation,cutout"}}
+    params = parse_params(raw)
+    dataset = LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True)
+    whole = loop.train(params, dataset, torch.device("cpu"), progress=False, run_dir=tmp_path / "a")
+    polls = {"n": 0}
+
+    def stop_after_7() -> bool:
+        polls["n"] += 1
+        return polls["n"] == 7
+
+    with pytest.raises(loop.TrainingInterrupted):
+        loop.train(params, dataset, torch.device("cpu"), None, False, tmp_path / "b", stop_after_7)
+    resumed = loop.train(params, dataset, torch.device("cpu"), None, False, tmp_path / "b")
+    plain = loop.train(
+        parse_params({**raw, "train": {**raw["train"], "augment": "none"}}),
+        dataset,
+        torch.device("cpu"),
+        progress=False,
+    )
+    for name in ("g", "d", "g_ema"):
+        ours, theirs = getattr(whole, name).state_dict(), getattr(resumed, name).state_dict()
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), name
+    d_plain = plain.d.state_dict()
+    assert any(not torch.equal(v, d_plain[k]) for k, v in whole.d.state_dict().items())
 
 
 def test_resuming_a_finished_run_logs_it_again(tmp_path, data_dir):

@@ -19,7 +19,7 @@ from ganpipe import build, loop, runtime, stream
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.prepare import prepare_dataset
 from ganpipe.params import DataParams, parse_params
-from ganpipe.strategies import STRATEGIES
+from ganpipe.strategies import STRATEGIES, Batch
 from tests.conftest import REPO
 from tests.helpers import Recorder
 
@@ -132,7 +132,7 @@ def training_steps(strategy: str = "d_first_detach"):
 
     def step(i):
         z = stream.latents(0, i, 16, 8)
-        STRATEGIES[strategy](gan, [real], [z])
+        STRATEGIES[strategy](gan, Batch.many([real], [z]))
         ema.update(gan.g, 16)
 
     return step

@@ -14,7 +14,7 @@ from ganpipe import nets
 from ganpipe.instrument import PassCounter
 from ganpipe.losses import bce_d, bce_g, build_loss
 from ganpipe.params import ModelParams, TrainParams
-from ganpipe.strategies import STRATEGIES, Gan
+from ganpipe.strategies import STRATEGIES, Batch, Gan
 
 LR = 0.1
 NAMES = list(STRATEGIES)
@@ -106,7 +106,7 @@ def test_strategy_equals_its_reference(name, n_critic):
     reals, zs = batches(n_critic)
     ref_gp, ref_dp, ref_gg, ref_gd = reference(name, copy.deepcopy(g), copy.deepcopy(d), reals, zs)
     gan = make_gan(g, d)
-    stats = STRATEGIES[name](gan, reals, zs)
+    stats = STRATEGIES[name](gan, Batch.many(reals, zs))
     for n, p in g.named_parameters():
         torch.testing.assert_close(p.detach(), ref_gp[n], rtol=0, atol=1e-12)
         # G's gradient is exactly its own loss's: D's loss leaked nothing into it
@@ -132,7 +132,7 @@ def test_literal_retain_graph_code_raises_and_ours_does_not():
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         g_loss.backward()
     g, d = tiny_nets()
-    STRATEGIES["d_first_retain"](make_gan(g, d), reals, zs)  # the well-defined version
+    STRATEGIES["d_first_retain"](make_gan(g, d), Batch.many(reals, zs))  # the well-defined version
 
 
 def simultaneous_mistake(g, d, reals, zs):
@@ -155,7 +155,7 @@ def test_the_simultaneous_mistake_differs_from_every_strategy():
     mistake = torch.cat([p.detach().flatten() for p in [*g0.parameters(), *d0.parameters()]])
     for name in NAMES:
         g, d = tiny_nets()
-        STRATEGIES[name](make_gan(g, d), reals, zs)
+        STRATEGIES[name](make_gan(g, d), Batch.many(reals, zs))
         ours = torch.cat([p.detach().flatten() for p in [*g.parameters(), *d.parameters()]])
         assert (ours - mistake).abs().max() > 1e-4, name
 
@@ -173,7 +173,7 @@ def test_pass_counts_match_the_design_table(name):
     reals, zs = batches(1)
     counter = PassCounter(g, d)
     counter.watch_real(reals[0])
-    STRATEGIES[name](make_gan(g, d), reals, zs)
+    STRATEGIES[name](make_gan(g, d), Batch.many(reals, zs))
     forwards = {k: counter.counts[k] for k in ("G", "D(fake)", "D(real)")}
     assert forwards == EXPECTED_FORWARDS[name]
     # backward reaches G once (its own loss only) and D three times: D(real) and D(fake)
@@ -207,8 +207,11 @@ def test_gradient_accumulation_equals_the_whole_batch(name, n_critic):
         g, d = tiny_nets()
         gan = make_gan(g, d)
         gan.grad_accum = accum
-        stats = STRATEGIES[name](gan, reals, zs)
-        stats = STRATEGIES[name](gan, reals, zs)  # a second step, from different weights
+        # two steps: the second from different weights
+        stats = STRATEGIES[name](gan, Batch.many(reals, zs))
+        stats = STRATEGIES[name](
+            gan, Batch.many(reals, zs)
+        )  # a second step, from different weights
         flat = torch.cat([p.detach().flatten() for p in [*g.parameters(), *d.parameters()]])
         results[accum] = (flat, stats)
     whole, whole_stats = results[1]
@@ -227,13 +230,13 @@ def test_gradient_accumulation_differs_from_stepping_per_micro_batch():
         [torch.randn(8, 4, generator=gen, dtype=torch.float64)],
     )
     g, d = tiny_nets()
-    STRATEGIES["d_first_detach"](make_gan(g, d), reals, zs)
+    STRATEGIES["d_first_detach"](make_gan(g, d), Batch.many(reals, zs))
     whole = torch.cat([p.detach().flatten() for p in [*g.parameters(), *d.parameters()]])
     g, d = tiny_nets()
     gan = make_gan(g, d)
     for half in range(2):
         STRATEGIES["d_first_detach"](
-            gan, [reals[0][half * 4 : half * 4 + 4]], [zs[0][half * 4 : half * 4 + 4]]
+            gan, Batch.many([reals[0][half * 4 : half * 4 + 4]], [zs[0][half * 4 : half * 4 + 4]])
         )
     stepped = torch.cat([p.detach().flatten() for p in [*g.parameters(), *d.parameters()]])
     assert (stepped - whole).abs().max() > 1e-4
@@ -303,7 +306,7 @@ def check_steps(name: str, n_critic: int, gan: Gan) -> None:
         reals, zs = batches(n_critic, seed)
         want = expected_steps(name, copy.deepcopy(g), copy.deepcopy(d), reals, zs)
         del seen[:]
-        STRATEGIES[name](gan, reals, zs)
+        STRATEGIES[name](gan, Batch.many(reals, zs))
         assert [s["net"] for s in seen] == [net for net, _ in want]
         for i, (step, (net, grads)) in enumerate(zip(seen, want, strict=True)):
             # Since the previous step, only the stepping network's parameters got gradients,
@@ -370,7 +373,7 @@ def test_activation_checkpointing_keeps_d_first_retain_exact(norm, monkeypatch):
         start = [p.detach().clone() for p in [*g.parameters(), *d.parameters()]]
         gan = make_gan(g, d)
         for real, z in zip(reals, zs, strict=True):
-            STRATEGIES["d_first_retain"](gan, [real], [z])
+            STRATEGIES["d_first_retain"](gan, Batch.many([real], [z]))
         weights[checkpointing] = [p.detach() for p in [*g.parameters(), *d.parameters()]]
         moved = [(w - w0).abs().max() for w, w0 in zip(weights[checkpointing], start, strict=True)]
         assert min(moved) > 0  # every parameter trained
