@@ -166,6 +166,7 @@ NEUTRAL_TRAIN_KEYS = {
     "snapshot_kimg",
     "log_every_kimg",
     "num_workers",
+    "resident_mb",
 }
 CHECKPOINT_FORMAT = 2
 #: The header of a checkpoint file (see :func:`hashed_bytes`).

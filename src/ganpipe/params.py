@@ -282,6 +282,10 @@ class TrainParams(_Section):
     num_workers: int = Field(0, ge=0, le=64)
     """DataLoader worker processes. 0 reads in the training process, which is fastest for
     small images on a 2-core machine."""
+    resident_mb: float = Field(1024.0, ge=0, le=1_048_576)
+    """Hold the training set on the training device as uint8 (read once; each batch is then
+    gathered by index from the same permutation, no DataLoader) when it takes at most this
+    many MiB; 0 always reads through the DataLoader. The batches are the same either way."""
     augment: str = Field("none", max_length=64)
     """Differentiable augmentation of every image D sees, real and generated, in every pass
     (DiffAugment, Zhao et al. 2020): none, or a comma-separated policy of color,

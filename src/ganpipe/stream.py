@@ -8,16 +8,20 @@ batches (what makes DDP equal to one process), and a run can start at any step (
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ganpipe import augment, runtime
-from ganpipe.data.dataset import uint8_to_float
+from ganpipe.data.dataset import LmdbImageDataset, uint8_to_float
 from ganpipe.dist import DistContext
+from ganpipe.files import size_text
 from ganpipe.params import Params
 from ganpipe.strategies import Batch
+
+log = logging.getLogger(__name__)
 
 
 class EpochBatchSampler(Sampler[list[int]]):
@@ -76,6 +80,26 @@ def to_device_images(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
     return uint8_to_float(batch) if batch.dtype == torch.uint8 else batch
 
 
+def resident_bytes(dataset: Dataset) -> int | None:
+    """The bytes of ``dataset``'s images as uint8, or None when it cannot be held resident
+    (only an LMDB training set read as uint8 can)."""
+    if not (isinstance(dataset, LmdbImageDataset) and dataset.as_uint8):
+        return None
+    channels, height, width = dataset.shape
+    return len(dataset) * channels * height * width
+
+
+def read_all(dataset: LmdbImageDataset, device: torch.device, chunk: int = 4096):
+    """All images (uint8, NCHW) and labels (int64) of ``dataset``, on ``device``."""
+    images = torch.empty((len(dataset), *dataset.shape), dtype=torch.uint8, device=device)
+    labels = torch.empty(len(dataset), dtype=torch.int64, device=device)
+    for first in range(0, len(dataset), chunk):
+        items = dataset.__getitems__(list(range(first, min(first + chunk, len(dataset)))))
+        images[first : first + len(items)] = torch.stack([image for image, _ in items])
+        labels[first : first + len(items)] = torch.tensor([label for _, label in items])
+    return images, labels
+
+
 class Stream:
     """The inputs of iterations ``start, start + 1, ...`` of a run, on this rank's device.
 
@@ -103,6 +127,15 @@ class Stream:
             context.rank,
             context.world_size,
         )
+        size = resident_bytes(dataset)
+        if size is not None and size <= cfg.resident_mb * 2**20:
+            images, labels = read_all(dataset, self.device)
+            log.info("training set on %s: %s as uint8", self.device, size_text(size))
+            self.batches = (
+                (images.index_select(0, index), labels.index_select(0, index))
+                for index in (torch.tensor(ix, device=self.device) for ix in sampler)
+            )
+            return
         # Workers hold no random state the run uses (decoding is deterministic), so seeding
         # them from the start-of-run generator again after a resume changes no bits.
         loader = DataLoader(

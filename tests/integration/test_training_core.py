@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import math
 import os
 import resource
@@ -15,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from ganpipe import build, loop, runtime, stream
+from ganpipe import build, dist, loop, runtime, stream
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.prepare import prepare_dataset
 from ganpipe.params import DataParams, parse_params
@@ -320,7 +321,8 @@ def test_logged_scalars_are_exactly_the_documented_keys(digits16, precision):
 
 
 def test_data_loader_workers_give_bit_identical_weights(digits16, monkeypatch):
-    """Batches are functions of the step: two worker processes read the same batches."""
+    """Batches are functions of the step: two worker processes read the same batches, and
+    so does the training set held resident (no DataLoader)."""
     workers = []
     real_loader = stream.DataLoader
 
@@ -330,20 +332,51 @@ def test_data_loader_workers_give_bit_identical_weights(digits16, monkeypatch):
 
     monkeypatch.setattr(stream, "DataLoader", recording_loader)
     states = []
-    for num_workers in (0, 2):
+    for num_workers, resident_mb in ((0, 0), (2, 0), (0, 1)):
         result = loop.train(
-            tiny(kimg=0.048, num_workers=num_workers),
+            tiny(kimg=0.048, num_workers=num_workers, resident_mb=resident_mb),
             LmdbImageDataset(digits16, as_uint8=True),
             torch.device("cpu"),
             progress=False,
         )
         nets = {"g": result.g, "d": result.d, "g_ema": result.g_ema}
         states.append({name: net.state_dict() for name, net in nets.items()})
-    assert workers == [0, 2]
-    for name, state in states[0].items():
-        assert state.keys() == states[1][name].keys()
-        for key, tensor in state.items():
-            assert torch.equal(tensor, states[1][name][key]), (name, key)
+    assert workers == [0, 2]  # the resident run made no DataLoader
+    for other in states[1:]:
+        for name, state in states[0].items():
+            assert state.keys() == other[name].keys()
+            for key, tensor in state.items():
+                assert torch.equal(tensor, other[name][key]), (name, key)
+
+
+@pytest.mark.parametrize("start", [0, 37])
+def test_the_resident_training_set_gives_the_loader_s_batches(digits16, caplog, start):
+    """Held on the device, the training set yields exactly the DataLoader's batches and
+    labels, across epoch boundaries and from any starting iteration (a resume)."""
+    dataset = LmdbImageDataset(digits16, as_uint8=True)
+    context = dist.DistContext(device=torch.device("cpu"))
+    streams = []
+    for budget in (0, 1):  # MiB: the digits at 16 px take 0.4 of one
+        params = tiny(batch_size=64, resident_mb=budget, n_critic=2)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="ganpipe.stream"):
+            streams.append(stream.Stream(params, dataset, context, start, start + 30))
+        assert ("training set on cpu" in caplog.text) == (budget > 0)
+    per_epoch = len(dataset) // 64
+    assert per_epoch < 30 * 2  # the 30 iterations cross an epoch boundary
+    loaded, resident = list(streams[0].batches), list(streams[1].batches)
+    assert len(loaded) == len(resident) == 60  # n_critic global batches per iteration
+    for (images, labels), (held_images, held_labels) in zip(loaded, resident, strict=True):
+        assert torch.equal(images, held_images) and torch.equal(labels, held_labels)
+
+
+def test_only_an_lmdb_set_read_as_uint8_is_held_resident(digits16):
+    assert stream.resident_bytes(LmdbImageDataset(digits16)) is None
+    dataset = LmdbImageDataset(digits16, as_uint8=True)
+    assert stream.resident_bytes(dataset) == len(dataset) * 16 * 16
+    images, labels = stream.read_all(dataset, torch.device("cpu"), chunk=100)
+    assert torch.equal(images.permute(0, 2, 3, 1), torch.from_numpy(dataset.uint8_array()))
+    assert torch.equal(labels, torch.from_numpy(dataset.labels()))
 
 
 def test_peak_rss_probe_is_available():
