@@ -109,7 +109,10 @@ def run(args: list[str], cwd: Path, log: Callable[[str], None] | None = None) ->
     """Run ``args`` in ``cwd``, passing each output line to ``log``; return the output.
 
     ``dvc`` means this interpreter's DVC; stage commands find this interpreter's tools
-    first on PATH. The process gets a session of its own and is registered until it ends.
+    first on PATH. In a checkout of the project (``cwd/src/ganpipe`` exists) they import
+    the checkout's ``ganpipe``, not the one an editable install points at (the user's
+    workspace, whose code may have moved on from the commit the run started from). The
+    process gets a session of its own and is registered until it ends.
 
     Raises:
         DvcCommandError: non-zero exit (or killed).
@@ -120,6 +123,9 @@ def run(args: list[str], cwd: Path, log: Callable[[str], None] | None = None) ->
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "DVC_NO_ANALYTICS": "1",
     }
+    if (Path(cwd) / "src" / "ganpipe").is_dir():
+        paths = [str(Path(cwd).resolve() / "src"), os.environ.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(path for path in paths if path)
     log = log or logging.getLogger(__name__).debug
     if _stopping.is_set():
         raise DvcCommandError(command, None, "not started: this flow run is being cancelled")

@@ -202,3 +202,16 @@ def test_stale_checkouts_of_dead_runs_are_pruned(project):
             assert not stale.exists() and fresh.exists()
             assert os.getpid() == int((fresh / ".dvc/tmp/owner.pid").read_text())
     assert sh(["git", "worktree", "list"], project).stdout.count("\n") == 1
+
+
+def test_a_checkout_runs_its_own_code_not_the_workspace_s(tmp_path):
+    """An editable install points `import ganpipe` at the user's workspace; a command run in
+    a checkout imports the checkout's copy (the code of the commit the run started from)."""
+    package = tmp_path / "checkout" / "src" / "ganpipe"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    show = [sys.executable, "-c", "import ganpipe; print(ganpipe.__file__)"]
+    assert checkout.run(show, tmp_path / "checkout").strip() == str(package / "__init__.py")
+    import ganpipe  # this test session's: the workspace's
+
+    assert checkout.run(show, tmp_path).strip() == ganpipe.__file__
