@@ -32,6 +32,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import _SpectralNorm, spectral_norm
 from torch.utils.checkpoint import checkpoint
 
@@ -231,65 +232,63 @@ def init_weights(module: nn.Module) -> None:
 # --- ResNet (SNGAN / BigGAN) -----------------------------------------------------------------
 
 
-class _RecordBuffers:
-    """Forward context of one checkpointed call: keeps the block's buffers as its forward
-    left them (spectral norm's vectors ``u``, ``v`` after this call's power iteration)."""
+class _SpectralNormPerWeight(_SpectralNorm):
+    """PyTorch's spectral norm parametrization, whose power iteration runs once per value of
+    the weight instead of once per call.
 
-    def __init__(self, block: nn.Module):
-        self.block = block
-        self.values: list[torch.Tensor] = []
-
-    def __enter__(self) -> None:
-        pass
-
-    def __exit__(self, *exc: object) -> None:
-        self.values = [buffer.detach().clone() for buffer in self.block.buffers()]
-
-
-class _ReplayBuffers(_KeepBuffers):
-    """Recomputation context that also makes spectral norm recompute the forward's weights.
-
-    In training mode every call of a spectrally normalised layer runs one power iteration
-    (updating ``u``, ``v``) and divides the weight by ``σ(u, v)``. A recomputation in backward
-    would iterate again from whatever the buffers hold by then (after later forwards: D sees
-    fakes and reals), so its ``W/σ`` would differ from the forward's and so would the
-    gradients. Here the recomputation starts from the buffers the forward left, with the
-    power iteration off: ``σ`` is computed from the same ``u``, ``v``, bit for bit. Then, as
-    :class:`_KeepBuffers`, the buffers end as they were before the recomputation.
+    PyTorch iterates on every training-mode call, so ``σ`` depended on how often and in
+    which order D was called between two optimizer steps: gradient accumulation (one call
+    per micro-batch) and DDP with it did not equal one process with the whole batch, the
+    same step gave other bits when D saw reals before fakes, and a recomputation in
+    backward (activation checkpointing) iterated again. Here a call iterates only when the
+    weight differs from the one of the last iteration (``_seen``, a buffer: exact resume
+    and DDP's buffer broadcast keep it), so every call between two steps divides by the same
+    ``σ``. The test and the select run on the device, without a host sync. Costs one copy of
+    each spectrally normalised weight.
     """
 
-    def __init__(self, block: nn.Module, recorded: _RecordBuffers):
-        super().__init__(block)
-        self.recorded = recorded
-        self.modes: list[tuple[nn.Module, bool]] = []
+    def __init__(self, weight: torch.Tensor):
+        super().__init__(weight)
+        # Zeros: any weight worth normalising differs from it, so the first call iterates.
+        self.register_buffer("_seen", torch.zeros_like(weight))
 
-    def __enter__(self) -> None:
-        super().__enter__()
-        with torch.no_grad():
-            for buffer, value in zip(self.block.buffers(), self.recorded.values, strict=True):
-                buffer.copy_(value)
-        self.modes = [(m, m.training) for m in self.block.modules() if isinstance(m, _SpectralNorm)]
-        for m, _ in self.modes:
-            m.training = False  # its forward skips the power iteration in eval mode
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        weight_mat = self._reshape_weight_to_matrix(weight)
+        if self.training:
+            with torch.no_grad():
+                changed = (weight != self._seen).any()
+                u, v = self._u.clone(), self._v.clone()
+                self._power_method(weight_mat, 1)
+                self._u.copy_(torch.where(changed, self._u, u))
+                self._v.copy_(torch.where(changed, self._v, v))
+                self._seen.copy_(weight)
+        u = self._u.clone(memory_format=torch.contiguous_format)
+        v = self._v.clone(memory_format=torch.contiguous_format)
+        return weight / torch.vdot(u, torch.mv(weight_mat, v))
 
-    def __exit__(self, *exc: object) -> None:
-        for m, mode in self.modes:
-            m.training = mode
-        self.modes = []
-        super().__exit__(*exc)
+
+def _resnet_conv(kind: str, layer: nn.Module) -> nn.Module:
+    return _spectral_norm(layer) if kind == "spectral" else layer
+
+
+def _spectral_norm(layer: nn.Module) -> nn.Module:
+    """``layer`` with its weight spectrally normalised, iterating once per weight value."""
+    parametrize.register_parametrization(layer, "weight", _SpectralNormPerWeight(layer.weight))
+    return layer
 
 
 def _call_block(block: nn.Module, checkpointing: bool, *inputs: torch.Tensor | None):
     """``block(*inputs)``, with non-reentrant activation checkpointing when asked (and
-    gradients are on) whose recomputation replays the forward exactly (:class:`_ReplayBuffers`)."""
+    gradients are on). The recomputation restores the buffers it changes (as in
+    :class:`_Blocks`); spectral norm does not iterate again there (the weight is the same)."""
     if not (checkpointing and torch.is_grad_enabled()):
         return block(*inputs)
-
-    def contexts() -> tuple[_RecordBuffers, _ReplayBuffers]:
-        recorded = _RecordBuffers(block)
-        return recorded, _ReplayBuffers(block, recorded)
-
-    return checkpoint(block, *inputs, use_reentrant=False, context_fn=contexts)
+    return checkpoint(
+        block,
+        *inputs,
+        use_reentrant=False,
+        context_fn=lambda: (contextlib.nullcontext(), _KeepBuffers(block)),
+    )
 
 
 def _upsample(x: torch.Tensor) -> torch.Tensor:
@@ -340,10 +339,10 @@ class _UpBlock(nn.Module):
     def __init__(self, c_in: int, c_out: int, norm: str, num_classes: int):
         super().__init__()
         self.norm1 = _GeneratorNorm(norm, c_in, num_classes)
-        self.conv1 = _conv(norm, nn.Conv2d(c_in, c_out, 3, 1, 1))
+        self.conv1 = _resnet_conv(norm, nn.Conv2d(c_in, c_out, 3, 1, 1))
         self.norm2 = _GeneratorNorm(norm, c_out, num_classes)
-        self.conv2 = _conv(norm, nn.Conv2d(c_out, c_out, 3, 1, 1))
-        self.shortcut = _conv(norm, nn.Conv2d(c_in, c_out, 1))
+        self.conv2 = _resnet_conv(norm, nn.Conv2d(c_out, c_out, 3, 1, 1))
+        self.shortcut = _resnet_conv(norm, nn.Conv2d(c_in, c_out, 1))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
         h = self.conv1(_upsample(F.relu(self.norm1(x, y))))
@@ -368,14 +367,14 @@ class ResnetGenerator(nn.Module):
         super().__init__()
         widths = _widths(channels_at, _resolutions(4, image_size), "g_channels", image_size)
         self.z_dim, self.num_classes, self.checkpointing = z_dim, num_classes, checkpointing
-        self.core = _conv(norm, nn.Linear(z_dim, 4 * 4 * widths[0]))
+        self.core = _resnet_conv(norm, nn.Linear(z_dim, 4 * 4 * widths[0]))
         self.blocks = nn.ModuleList(
             _UpBlock(c_in, c_out, norm, num_classes) for c_in, c_out in itertools.pairwise(widths)
         )
         self.out = nn.Sequential(
             _norm(norm, widths[-1]),
             nn.ReLU(),
-            _conv(norm, nn.Conv2d(widths[-1], channels, 3, 1, 1)),
+            _resnet_conv(norm, nn.Conv2d(widths[-1], channels, 3, 1, 1)),
             nn.Tanh(),
         )
 
@@ -395,9 +394,9 @@ class _DownBlock(nn.Module):
     def __init__(self, c_in: int, c_out: int, first: bool):
         super().__init__()
         self.first = first
-        self.conv1 = spectral_norm(nn.Conv2d(c_in, c_out, 3, 1, 1))
-        self.conv2 = spectral_norm(nn.Conv2d(c_out, c_out, 3, 1, 1))
-        self.shortcut = spectral_norm(nn.Conv2d(c_in, c_out, 1))
+        self.conv1 = _spectral_norm(nn.Conv2d(c_in, c_out, 3, 1, 1))
+        self.conv2 = _spectral_norm(nn.Conv2d(c_out, c_out, 3, 1, 1))
+        self.shortcut = _spectral_norm(nn.Conv2d(c_in, c_out, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
@@ -432,8 +431,8 @@ class ResnetDiscriminator(nn.Module):
             [_DownBlock(channels, widths[0], first=True)]
             + [_DownBlock(c_in, c_out, first=False) for c_in, c_out in itertools.pairwise(widths)]
         )
-        self.head = spectral_norm(nn.Linear(widths[-1], 1))
-        self.embed = spectral_norm(nn.Embedding(num_classes, widths[-1])) if num_classes else None
+        self.head = _spectral_norm(nn.Linear(widths[-1], 1))
+        self.embed = _spectral_norm(nn.Embedding(num_classes, widths[-1])) if num_classes else None
 
     def forward(self, image: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         _check_labels(y, self.num_classes, "discriminator")

@@ -113,7 +113,7 @@ def test_activation_checkpointing_is_the_same_step_bit_for_bit(arch, norm, model
     for name, value in without["buffers"].items():
         # BatchNorm's running statistics: the recomputation in backward used to update them
         # again (num_batches_tracked 2, running_mean off by ~2e-3), and g_ema copied them.
-        # Spectral norm's u, v: a recomputation that iterated again changed them (and W/σ).
+        # Spectral norm's u, v: a recomputation that iterated again would change them.
         assert torch.equal(value, with_["buffers"][name]), name
     tracked = {k: int(v) for k, v in with_["buffers"].items() if k.endswith("num_batches_tracked")}
     num_g, num_d = NUM_BATCH_NORMS[arch] if norm == "batch" else (0, 0)
@@ -123,18 +123,37 @@ def test_activation_checkpointing_is_the_same_step_bit_for_bit(arch, norm, model
         assert any(k.endswith("_u") for k in with_["buffers"])  # D's spectral norm vectors
 
 
-def test_the_checkpointing_check_catches_a_recomputation_that_iterates_spectral_norm(
-    monkeypatch,
-):
-    """Without the replay of the forward's u, v the recomputed W/σ differs: the check above
-    can fail."""
-    monkeypatch.setattr(nets, "_ReplayBuffers", lambda block, recorded: nets._KeepBuffers(block))
+def test_the_checkpointing_check_catches_a_spectral_norm_that_iterates_per_call(monkeypatch):
+    """With PyTorch's own spectral norm (a power iteration per call) the recomputation in
+    backward iterates again and its W/σ differs: the check above can fail."""
+    monkeypatch.setattr(nets, "_SpectralNormPerWeight", nets._SpectralNorm)
     without = checkpointed_step("resnet", "layer", False)
     with_ = checkpointed_step("resnet", "layer", True)
     assert torch.equal(without["scores"], with_["scores"])  # the forward is the same ...
     assert not all(
         torch.equal(a, b) for a, b in zip(without["grads"], with_["grads"], strict=True)
     )  # ... its gradients are not
+
+
+def test_spectral_norm_iterates_once_per_weight_value():
+    """Every call between two steps divides by the same σ (whatever their number and
+    order); a changed weight iterates once more, on its first call."""
+    _, d = build_models(tiny_model("resnet"), 32, 1, torch.Generator().manual_seed(0))
+    layer = d.blocks[-1].conv2
+    norm = layer.parametrizations.weight[0]
+    x = torch.rand(3, 1, 32, 32, generator=torch.Generator().manual_seed(4))
+    first = d(x)
+    u = norm._u.clone()
+    assert not torch.equal(u, torch.zeros_like(u))
+    assert torch.equal(d(x), first) and torch.equal(d(x[:2]), first[:2])  # no iteration
+    assert torch.equal(norm._u, u)
+    with torch.no_grad():
+        layer.parametrizations.weight.original.mul_(1.5).add_(0.1)
+    d(x)
+    moved = norm._u.clone()
+    assert not torch.equal(moved, u)  # the new weight iterated ...
+    d(x)
+    assert torch.equal(norm._u, moved)  # ... once
 
 
 def test_ema_follows_the_half_life():

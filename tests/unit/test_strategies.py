@@ -116,12 +116,12 @@ FAMILIES = {
 
 
 def family_nets(arch: str) -> tuple[nn.Module, nn.Module]:
-    """Tiny G and D of ``arch`` in float64. D in eval mode: resnet's spectral norm then
-    divides by the same σ however often and in whatever order D is called (the reference
-    calls D(real) before D(fake), the strategies the other way round)."""
+    """Tiny G and D of ``arch`` in float64, in training mode. resnet's spectral norm divides
+    by the same σ however often and in whatever order D is called between two steps (the
+    reference calls D(real) before D(fake), the strategies the other way round)."""
     model, size = FAMILIES[arch]
     g, d = nets.build_models(model, size, 1, torch.Generator().manual_seed(0))
-    return g.double(), d.double().eval()
+    return g.double(), d.double()
 
 
 def family_batches(arch: str, n_critic: int, seed: int = 1, n: int = 4):
@@ -393,8 +393,7 @@ def test_the_step_check_catches_a_backward_into_both_networks(name):
 def test_activation_checkpointing_keeps_d_first_retain_exact(arch, norm, monkeypatch):
     """retain_graph through non-reentrant checkpointed blocks: D's loss backward keeps the
     shared graph for G's, and three steps end with the weights of the unchecked run. resnet:
-    D in training mode, so its spectral norm iterates on every call (fake, then real) and
-    each recomputation must replay the vectors of its own forward."""
+    D's spectral norm must not iterate again in the recomputations."""
     calls = {"n": 0}
     real_checkpoint = nets.checkpoint
 
