@@ -65,6 +65,9 @@ def run_config(config: dict) -> dict:
     from ganpipe.strategies import STRATEGIES, Batch
 
     size, channels, width = config["size"], 1 if config["size"] == 32 else 3, config["size"]
+    model = {"g_width": width, "d_width": width, "norm": "batch"}
+    if config.get("arch", "dcgan") == "resnet":  # the default widths per resolution
+        model = {"arch": "resnet", "norm": "batch"}
     params = parse_params(
         {
             "seed": 0,
@@ -72,7 +75,7 @@ def run_config(config: dict) -> dict:
             "data": {"image_size": size, "channels": channels},
             "devices": {"cpu_threads": config["threads"]},
             "determinism": NATIVE,
-            "model": {"g_width": width, "d_width": width, "norm": "batch"},
+            "model": model,
             "train": {
                 "strategy": config["strategy"],
                 "batch_size": 64,
@@ -114,11 +117,18 @@ def run_config(config: dict) -> dict:
 
 def part1(runs: int, steps: int, threads: int) -> list[dict]:
     configs = [
-        {"strategy": s, "precision": p, "checkpointing": False, "size": 32}
+        {"arch": a, "strategy": s, "precision": p, "checkpointing": False, "size": 32}
+        for a in ("dcgan", "resnet")
         for s in STRATEGY_NAMES
         for p in ("fp32", "bf16", "fp16")
     ] + [  # activation memory only stands out of the allocator's noise at 64 px, widths 64
-        {"strategy": "d_first_detach", "precision": "fp32", "checkpointing": c, "size": 64}
+        {
+            "arch": "dcgan",
+            "strategy": "d_first_detach",
+            "precision": "fp32",
+            "checkpointing": c,
+            "size": 64,
+        }
         for c in (False, True)
     ]
     for config in configs:
@@ -139,7 +149,8 @@ def part1(runs: int, steps: int, threads: int) -> list[dict]:
             measured[i].append(json.loads(out.stdout.splitlines()[-1]))
             m = measured[i][-1]
             print(
-                f"run {run}: {config['strategy']:15s} {config['precision']} {config['size']}px "
+                f"run {run}: {config['arch']:6s} {config['strategy']:15s} {config['precision']} "
+                f"{config['size']}px "
                 f"ckpt={config['checkpointing']!s:5s} {m['step_ms']:8.1f} ms/step "
                 f"{m['peak_rss_over_baseline_mb']:6.1f} MB",
                 flush=True,
@@ -149,7 +160,8 @@ def part1(runs: int, steps: int, threads: int) -> list[dict]:
         runs_i = measured[i]
         rows.append(
             {
-                **{k: config[k] for k in ("strategy", "precision", "checkpointing", "size")},
+                **{k: config[k] for k in ("arch", "strategy", "precision", "checkpointing")},
+                "size": config["size"],
                 "step_ms": statistics.median(r["step_ms"] for r in runs_i),
                 "images_per_s": statistics.median(r["images_per_s"] for r in runs_i),
                 "peak_rss_over_baseline_mb": statistics.median(
@@ -434,14 +446,14 @@ def main() -> None:
         versus = previous["versus_reference"]
     print()
     print(
-        "| strategy | precision | size | act. ckpt | ms/step | images/s | peak RSS (MB) "
+        "| arch | strategy | precision | size | act. ckpt | ms/step | images/s | peak RSS (MB) "
         "| G / D(fake) / D(real) fwd | G / D bwd |"
     )
-    print("|---|---|---|---|---:|---:|---:|---|---|")
+    print("|---|---|---|---|---|---:|---:|---:|---|---|")
     for r in rows:
         p = r["passes"]
-        print(
-            f"| {r['strategy']} | {r['precision']} | {r['size']} "
+        print(  # rows measured before resnet existed have no arch: dcgan
+            f"| {r.get('arch', 'dcgan')} | {r['strategy']} | {r['precision']} | {r['size']} "
             f"| {'yes' if r['checkpointing'] else 'no'} "
             f"| {r['step_ms']:.1f} | {r['images_per_s']:,.0f} "
             f"| {r['peak_rss_over_baseline_mb']:.1f} "

@@ -20,17 +20,19 @@ if __name__ == "__main__":
 import shutil
 from pathlib import Path
 
+import torch
+
 from ganpipe import runtime
 from ganpipe.checkpoint import read_model_file
 from ganpipe.files import clear_leftovers, locked_dir
-from ganpipe.nets import DcganGenerator
+from ganpipe.nets import build_generator
 from ganpipe.params import ModelParams, Params
 from ganpipe.sampling import export_pngs, interpolation_strips, sample_grid, save_png
 
 SAMPLES = Path("samples")
 
 
-def load_generator(path: Path) -> tuple[DcganGenerator, ModelParams]:
+def load_generator(path: Path) -> tuple[torch.nn.Module, ModelParams]:
     """Rebuild a generator from a model file written by the train stage.
 
     Raises:
@@ -42,10 +44,10 @@ def load_generator(path: Path) -> tuple[DcganGenerator, ModelParams]:
     return read_model_file(path, _build_generator, "train")
 
 
-def _build_generator(record: dict) -> tuple[DcganGenerator, ModelParams]:
+def _build_generator(record: dict) -> tuple[torch.nn.Module, ModelParams]:
     model = ModelParams(**record["model"])
-    g = DcganGenerator(
-        model.z_dim, model.g_width, record["channels"], record["image_size"], model.norm
+    g = build_generator(
+        model, record["image_size"], record["channels"], num_classes=record.get("num_classes")
     )
     g.load_state_dict(record["state_dict"])
     return g.eval(), model
@@ -60,7 +62,7 @@ def main(params: Params) -> None:
         write_samples(g, model, params)
 
 
-def write_samples(g: DcganGenerator, model: ModelParams, params: Params) -> None:
+def write_samples(g: torch.nn.Module, model: ModelParams, params: Params) -> None:
     """The grid, the interpolation strips and the exported images, each written atomically."""
     cfg = params.generate
     grid = sample_grid(g, model.z_dim, cfg.grid_rows, cfg.seed, cfg.truncation)

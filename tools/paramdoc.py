@@ -86,14 +86,18 @@ stop it and check the file with
 `python -c "from ganpipe.params import load_params; load_params()"`: its last line names
 the problem.
 
-Rules across keys (checked too, named in the error): the DCGAN takes `data.image_size` 16, 32
-or 64; `train.batch_size` must be divisible by the world size (`devices.nproc_per_node` ×
-`devices.nnodes`) × `train.grad_accum`; `train.loss: wgan_gp` and `train.r1_gamma > 0` need a
-per-sample `model.norm` (not `batch` / `sync_batch`); `sync_batch` and `devices.backend: nccl`
-need CUDA; `train.activation_checkpointing` refuses `model.norm: spectral`;
-`determinism.deterministic` and `determinism.cudnn_benchmark` exclude each other; `data.path`
-is required by every source except `digits`, which refuses it; `eval.feature_extractor:
-inception` needs `eval.inception_weights`.
+Rules across keys (checked too, named in the error): `data.image_size` must be one that
+`model.arch` supports (`dcgan`: 16, 32 or 64; `resnet`: 32, 64, 128 or 256, with
+`model.g_channels` / `model.d_channels` entries for every resolution up to it);
+`model.conditional` needs `model.arch: resnet` and a normalisation layer in G (`model.norm`
+not `spectral` / `none`); `train.batch_size` must be divisible by the world size
+(`devices.nproc_per_node` × `devices.nnodes`) × `train.grad_accum`; with `model.arch: dcgan`,
+`train.loss: wgan_gp` and `train.r1_gamma > 0` need a per-sample `model.norm` (not `batch` /
+`sync_batch`) and `train.activation_checkpointing` refuses `model.norm: spectral`;
+`sync_batch` and `devices.backend: nccl` need CUDA; `determinism.deterministic` and
+`determinism.cudnn_benchmark` exclude each other; `data.path` is required by every source
+except `digits`, which refuses it; `eval.feature_extractor: inception` needs
+`eval.inception_weights`.
 """
 
 
@@ -129,6 +133,8 @@ def render_value(value: Any) -> str:
         return f"{value:g}"
     if isinstance(value, (tuple, list)):
         return "[" + ", ".join(render_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {render_value(v)}" for k, v in value.items()) + "}"
     return str(value)
 
 
@@ -176,6 +182,10 @@ def render_type(annotation: Any) -> tuple[str, str]:
     if origin in (typing.Union, types.UnionType):
         rendered = [render_type(a) for a in args]
         return " or ".join(t for t, _ in rendered), "; ".join(r for _, r in rendered if r)
+    if origin is dict:
+        key, _ = render_type(args[0])
+        value, value_range = render_type(args[1])
+        return f"mapping {key} → {value}", f"each value {value_range}" if value_range else ""
     if origin is list:
         item, item_range = render_type(args[0])
         return f"list of {item}", f"each {item_range}" if item_range else ""
@@ -193,7 +203,8 @@ def describe_field(field: FieldInfo) -> tuple[str, str, str]:
     """``(type or choices, default, range)`` of one field."""
     kind, inner_range = render_type(field.annotation)
     bounds = render_bounds(field.metadata)
-    return kind, render_value(field.default), "; ".join(r for r in (inner_range, bounds) if r)
+    default = field.get_default(call_default_factory=True)
+    return kind, render_value(default), "; ".join(r for r in (inner_range, bounds) if r)
 
 
 def cell(text: str) -> str:

@@ -14,6 +14,9 @@ class EmaGenerator(nn.Module):
     The running weights are the parameters and buffers of ``self.module``: they move with
     ``.to()``, live in ``state_dict()`` and cannot pile up outside the module (the
     classic leak of an average kept as a plain attribute, replicated step after step).
+    Parameters are averaged (class-conditional gains and biases included); buffers are
+    copied from G: BatchNorm's running statistics, and spectral norm's power-iteration
+    vectors ``u``, ``v`` (the average runs in eval mode, so it never iterates them itself).
     """
 
     def __init__(self, generator: nn.Module, half_life_kimg: float):
@@ -44,5 +47,6 @@ class EmaGenerator(nn.Module):
         self.module.eval()
         return self
 
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.module(z)
+    def forward(self, z: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        """Images of latents ``z`` (and labels ``y`` when G is class-conditional)."""
+        return self.module(z, y)

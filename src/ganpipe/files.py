@@ -44,6 +44,14 @@ def size_text(num_bytes: float) -> str:
     return f"{num_bytes / 2**20:,.1f} MiB"
 
 
+def free_bytes(folder: Path) -> int | None:
+    """Bytes free on the filesystem of ``folder`` (``None`` when it cannot be told)."""
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
 def free_space_text(folder: Path) -> str:
     """``"X MiB free there now"`` for the filesystem of ``folder`` (``"free space unknown"``)."""
     try:

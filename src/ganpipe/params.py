@@ -25,8 +25,10 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     ValidationError,
     field_validator,
+    model_serializer,
     model_validator,
 )
 from ruamel.yaml import YAML
@@ -40,8 +42,16 @@ from ruamel.yaml.events import (
 
 #: Image sizes the DCGAN family supports (4x4 core doubled until the output size).
 DCGAN_IMAGE_SIZES = (16, 32, 64)
+#: Image sizes the ResNet family supports (4x4 core, one residual block per doubling).
+RESNET_IMAGE_SIZES = (32, 64, 128, 256)
+#: Image sizes of each ``model.arch``.
+IMAGE_SIZES = {"dcgan": DCGAN_IMAGE_SIZES, "resnet": RESNET_IMAGE_SIZES}
+#: Resolutions of the ResNet family's feature maps (keys of model.g_channels / d_channels).
+RESNET_RESOLUTIONS = (4, 8, 16, 32, 64, 128, 256)
+#: Keys of ``model`` that shape one family's networks only (left out of the other's records).
+FAMILY_KEYS = {"dcgan": ("g_width", "d_width"), "resnet": ("g_channels", "d_channels")}
+#: The operations of train.augment (:mod:`ganpipe.augment`).
 AUGMENT_POLICIES = ("color", "translation", "cutout")
-"""The operations of train.augment (:mod:`ganpipe.augment`)."""
 
 #: Upper bound of every length and interval in kimg: a billion images. Without one, a value
 #: like 1e308 passes validation and overflows when the loop turns it into iterations.
@@ -76,6 +86,19 @@ class ParamsError(ValueError):
 def _list_to_tuple(value: Any) -> Any:
     # YAML has no tuples: a fixed-length pair arrives as a list, which strict mode refuses.
     return tuple(value) if isinstance(value, list) else value
+
+
+def _digit_keys_to_int(value: Any) -> Any:
+    # JSON (a model file's record) has string keys only: {"32": 64} is resolution 32.
+    if isinstance(value, Mapping):
+        return {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in value.items()}
+    return value
+
+
+#: Channels per resolution (a model.g_channels / model.d_channels mapping).
+ChannelsAt = Annotated[
+    dict[int, Annotated[int, Field(ge=1, le=4096)]], BeforeValidator(_digit_keys_to_int)
+]
 
 
 class _Section(BaseModel):
@@ -206,19 +229,91 @@ class DeterminismParams(_Section):
 class ModelParams(_Section):
     """Generator and discriminator architecture."""
 
-    arch: Literal["dcgan"] = "dcgan"
-    """Network family. DCGAN (Radford et al. 2016) for 16, 32 or 64 pixel images."""
+    arch: Literal["dcgan", "resnet"] = "dcgan"
+    """Network family. dcgan: DCGAN (Radford et al. 2016) for 16, 32 or 64 pixel images,
+    widths from g_width / d_width; resnet: SNGAN/BigGAN-style residual networks (Miyato et al.
+    2018, Brock et al. 2019) for 32, 64, 128 or 256 pixels, widths from g_channels /
+    d_channels, spectral norm on every layer of D; the family that can be conditional."""
     z_dim: int = Field(100, ge=1, le=4096)
     """Latent vector length."""
     g_width: int = Field(32, ge=1, le=1024)
-    """Channels of the generator's last hidden layer; earlier layers double it."""
+    """dcgan: channels of the generator's last hidden layer; earlier layers double it."""
     d_width: int = Field(32, ge=1, le=1024)
-    """Channels of the discriminator's first layer; later layers double it."""
+    """dcgan: channels of the discriminator's first layer; later layers double it."""
+    g_channels: ChannelsAt = Field(
+        default_factory=lambda: {4: 128, 8: 128, 16: 64, 32: 32, 64: 32, 128: 16, 256: 16}
+    )
+    """resnet: channels of the generator's feature maps at each resolution (4 .. 256), the
+    output of the residual block that reaches it; the entries up to data.image_size are used."""
+    d_channels: ChannelsAt = Field(
+        default_factory=lambda: {4: 128, 8: 128, 16: 64, 32: 32, 64: 32, 128: 16}
+    )
+    """resnet: channels of the discriminator's feature maps at each resolution (4 .. 128), the
+    output of the residual block that reaches it; the entries below data.image_size are used."""
     norm: Literal["batch", "sync_batch", "instance", "layer", "spectral", "none"] = "batch"
     """Normalisation in G and D hidden layers. batch: BatchNorm (the paper's), statistics per
     process; sync_batch: BatchNorm with statistics over all processes (CUDA only);
     instance / layer: per-sample (DDP equals one process with the whole batch);
-    spectral: spectral norm on every conv instead."""
+    spectral: spectral norm on every conv instead. resnet: G's normalisation only (D always
+    has spectral norm and no normalisation layer)."""
+    conditional: bool = False
+    """Class-conditional G and D (resnet only): class-conditional normalisation in G (a gain
+    and bias per class) and a projection discriminator (Miyato & Koyama 2018). Needs a dataset
+    with at least 2 classes and a normalisation layer in G (norm batch, sync_batch, instance
+    or layer)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelParams:
+        problems = []
+        for key in ("g_channels", "d_channels"):
+            odd = sorted(r for r in getattr(self, key) if r not in RESNET_RESOLUTIONS)
+            if odd:
+                problems.append(
+                    f"model.{key} has resolution(s) {', '.join(map(str, odd))}; the resolutions "
+                    f"are {', '.join(map(str, RESNET_RESOLUTIONS))}"
+                )
+        if self.conditional and self.arch != "resnet":
+            problems.append(
+                f"model.conditional=true is not supported by model.arch={self.arch} (its D ends "
+                "in a convolution, with no feature vector to project a label on); use "
+                "model.arch resnet or conditional false"
+            )
+        elif self.conditional and self.norm in ("spectral", "none"):
+            problems.append(
+                f"model.conditional=true conditions G through its normalisation layers, which "
+                f"model.norm={self.norm} has none of; use model.norm batch, instance or layer"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @model_serializer(mode="wrap")
+    def _family_keys_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A model file's record and a run's fingerprint hold the keys that shape this family's
+        # networks only: another family's keys (and conditional, when off) would change the
+        # bytes of every model file whenever a family is added, and mean nothing there.
+        data = handler(self)
+        for arch, keys in FAMILY_KEYS.items():
+            if arch != self.arch:
+                for key in keys:
+                    data.pop(key, None)
+        if not self.conditional:
+            data.pop("conditional", None)
+        return data
+
+    def channels_problems(self, image_size: int) -> list[str]:
+        """What is missing from g_channels / d_channels for ``image_size`` (resnet)."""
+        problems = []
+        for key, top in (("g_channels", image_size), ("d_channels", image_size // 2)):
+            needed = [r for r in RESNET_RESOLUTIONS if r <= top]
+            missing = [r for r in needed if r not in getattr(self, key)]
+            if missing:
+                problems.append(
+                    f"model.{key} has no channels for resolution(s) "
+                    f"{', '.join(map(str, missing))}; data.image_size={image_size} needs "
+                    f"{', '.join(map(str, needed))}"
+                )
+        return problems
 
 
 class TrainParams(_Section):
@@ -427,14 +522,22 @@ def _cross_section_problems(
 ) -> list[str]:
     """Rules that involve more than one section; a ``None`` section (invalid) skips its rules."""
     problems = []
-    if data and model and model.arch == "dcgan" and data.image_size not in DCGAN_IMAGE_SIZES:
+    if data and model and data.image_size not in IMAGE_SIZES[model.arch]:
         problems.append(
-            f"data.image_size={data.image_size} is not supported by model.arch=dcgan; "
-            f"use one of {', '.join(map(str, DCGAN_IMAGE_SIZES))}"
+            f"data.image_size={data.image_size} is not supported by model.arch={model.arch}; "
+            f"use one of {', '.join(map(str, IMAGE_SIZES[model.arch]))}"
+            + "".join(
+                f" (or model.arch {other}: {', '.join(map(str, sizes))})"
+                for other, sizes in IMAGE_SIZES.items()
+                if other != model.arch and data.image_size in sizes
+            )
         )
+    elif data and model and model.arch == "resnet":
+        problems += model.channels_problems(data.image_size)
     if (
         train
         and model
+        and model.arch == "dcgan"  # resnet's D has no normalisation layer, whatever the norm
         and (train.loss == "wgan_gp" or train.r1_gamma > 0)
         and model.norm in ("batch", "sync_batch")
     ):
@@ -455,11 +558,18 @@ def _cross_section_problems(
             "model.norm=sync_batch needs CUDA (SyncBatchNorm only works with GPU modules) but "
             "devices.accelerator=cpu; use norm batch, instance, layer or none on CPU"
         )
-    if train and model and train.activation_checkpointing and model.norm == "spectral":
+    if (
+        train
+        and model
+        and model.arch == "dcgan"  # resnet's recomputation replays the power iteration's vectors
+        and train.activation_checkpointing
+        and model.norm == "spectral"
+    ):
         problems.append(
-            "train.activation_checkpointing=true with model.norm=spectral: the recomputed "
-            "forward would advance spectral norm's power iteration a second time and change "
-            "the gradients; turn checkpointing off or use another norm"
+            "train.activation_checkpointing=true with model.norm=spectral (model.arch=dcgan): "
+            "the recomputed forward would advance spectral norm's power iteration a second "
+            "time and change the gradients; turn checkpointing off, use another norm, or "
+            "model.arch resnet"
         )
     return problems
 

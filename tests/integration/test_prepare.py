@@ -440,3 +440,50 @@ def test_decompression_bomb_is_a_bad_image(tmp_path, monkeypatch):
     with pytest.raises(BadImageError, match="DecompressionBombError") as info:
         prep(tmp_path, source="folder", path="imgs", image_size=8)
     assert info.value.name == "bomb.png"
+
+
+# --- large images: sizes per model.arch, and the space the databases take ------------------
+
+
+@pytest.mark.parametrize("size", [128, 256])
+def test_resnet_sizes_are_prepared_and_dcgan_refuses_them(tmp_path, class_folder, size):
+    raw = {"data": {"source": "folder", "path": str(class_folder), "image_size": size}}
+    with pytest.raises(ValueError, match=f"data.image_size={size} is not supported by model.arch"):
+        Params.model_validate(raw)
+    params = Params.model_validate({**raw, "model": {"arch": "resnet"}})
+    prepare_dataset(params.data, 0, tmp_path / "out", progress=False)
+    meta = read_meta(tmp_path / "out" / "train.lmdb")
+    assert meta["shape"] == [size, size, 1]
+    images = LmdbImageDataset(tmp_path / "out" / "train.lmdb", as_uint8=True)
+    assert tuple(images[0][0].shape) == (1, size, size)
+
+
+def test_a_database_that_does_not_fit_is_refused_before_writing(
+    tmp_path, class_folder, monkeypatch
+):
+    monkeypatch.setattr(prepare, "free_bytes", lambda folder: 1_000_000)
+    data = DataParams(source="folder", path=str(class_folder), image_size=256, channels=3)
+    with pytest.raises(DatasetError) as info:
+        prepare_dataset(data, 0, tmp_path / "out", progress=False)
+    # By hand: 6 records of a 4-byte label + 3 x 256² pixels take 49 overflow pages of 4 KiB
+    # each, 1 leaf page, no branch page, 4 meta pages: 301 pages = 1,232,896 bytes.
+    message = str(info.value)
+    assert "6 images x 3 channel(s) x 256² px = 1.1 MiB of pixels" in message
+    assert "take about 1.2 MiB (1,232,896 bytes)" in message
+    assert "only 1.0 MiB (1,000,000 bytes) are free" in message
+    assert "lower data.image_size or data.channels" in message
+    assert not list((tmp_path / "out").glob("*.lmdb*"))  # nothing written
+
+
+def test_a_large_database_is_announced_with_its_size_and_the_free_space(
+    tmp_path, class_folder, monkeypatch, caplog
+):
+    monkeypatch.setattr(prepare, "LARGE_DATABASE_BYTES", 1_000_000)
+    data = DataParams(source="folder", path=str(class_folder), image_size=256, channels=3)
+    with caplog.at_level("INFO", logger="ganpipe.data.prepare"):
+        prepare_dataset(data, 0, tmp_path / "out", progress=False)
+    announced = [r.getMessage() for r in caplog.records if "databases take about" in r.message]
+    assert len(announced) == 1 and "(1,232,896 bytes)" in announced[0]
+    assert "free there now" in announced[0]
+    written = sum(f.stat().st_size for f in (tmp_path / "out").rglob("*.mdb"))
+    assert written <= 2 * 1_232_896  # the estimate is of the right size (data.mdb files)

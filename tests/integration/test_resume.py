@@ -125,22 +125,48 @@ if _flag:
 """
 
 
+@pytest.fixture(scope="module")
+def data_dir32(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data32")
+    prepare_dataset(DataParams(image_size=32, val_fraction=0.5), 4, out, progress=False)
+    return out
+
+
+#: The resnet family at 32 px with a few channels (BatchNorm in G, spectral norm in D).
+RESNET = {
+    "arch": "resnet",
+    "g_channels": {4: 8, 8: 8, 16: 4, 32: 4},
+    "d_channels": {4: 8, 8: 4, 16: 4},
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("world", "precision", "loss"),
-    [(1, "fp32", "bce"), (1, "bf16", "wgan_gp"), (2, "fp32", "wgan_gp"), (2, "bf16", "bce")],
+    ("world", "precision", "loss", "arch"),
+    [
+        (1, "fp32", "bce", "dcgan"),
+        (1, "bf16", "wgan_gp", "dcgan"),
+        (2, "fp32", "wgan_gp", "dcgan"),
+        (2, "bf16", "bce", "dcgan"),
+        (1, "fp32", "hinge", "resnet"),
+    ],
 )
 def test_sigkill_at_random_moments_then_resume_gives_the_same_bytes(
-    tmp_path, data_dir, world, precision, loss
+    tmp_path, data_dir, data_dir32, world, precision, loss, arch
 ):
     # wgan_gp draws its interpolation weights from the global torch RNG every step: the
     # run only ends with the same bytes if every rank's RNG state is restored exactly.
+    # resnet: spectral norm's vectors and the weight they were iterated for are buffers.
     sections = {
         "precision": precision,
         "devices": {"nproc_per_node": world},
         "model": {"norm": "layer" if loss == "wgan_gp" else "batch"},
         "train": {"checkpoint_kimg": 0.16, "loss": loss},
     }
+    if arch == "resnet":
+        sections["model"].update(RESNET)
+        sections["data"] = {"image_size": 32}
+        data_dir = data_dir32
     reference = project(tmp_path / "reference", data_dir, **sections)
     proc = start(reference)
     while proc.poll() is None and newest(reference) is None:

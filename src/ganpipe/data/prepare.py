@@ -43,6 +43,7 @@ from ganpipe.data.store import (
 from ganpipe.files import (
     TMP_MARK,
     clear_leftovers,
+    free_bytes,
     free_space_text,
     locked_dir,
     replace_dir,
@@ -53,6 +54,8 @@ from ganpipe.params import DataParams
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val")
+#: Databases from this size up are announced in the log before they are written.
+LARGE_DATABASE_BYTES = 1 << 30
 #: Below this many files the process pool costs more than it saves.
 PARALLEL_MIN_FILES = 512
 
@@ -123,6 +126,37 @@ def _write_failed(
     )
 
 
+def check_room(listing: Listing, data: DataParams, out_dir: Path) -> int:
+    """Say what the databases will take before writing them; refuse when it does not fit.
+
+    Images are stored raw (``count x channels x size²`` bytes plus a label each, and LMDB's
+    pages): 50,000 RGB images take about 2.5 GiB at 128 px and 9.4 GiB at 256 px.
+
+    Returns:
+        The estimated bytes of train and val together.
+
+    Raises:
+        DatasetError: the filesystem of ``out_dir`` has less free space than that.
+    """
+    pixels = data.channels * data.image_size**2
+    needed = estimate_bytes(len(listing), LABEL.size + pixels)
+    what = (
+        f"{len(listing):,} images x {data.channels} channel(s) x {data.image_size}² px = "
+        f"{size_text(len(listing) * pixels)} of pixels; the train and val databases take about "
+        f"{size_text(needed)} ({needed:,} bytes) in {out_dir}/"
+    )
+    free = free_bytes(out_dir)
+    if free is not None and needed > free:
+        raise DatasetError(
+            f"{what}, but only {size_text(free)} ({free:,} bytes) are free there (beside the "
+            "previous databases, which stay until the new ones are complete); free some space, "
+            "or lower data.image_size or data.channels"
+        )
+    if needed >= LARGE_DATABASE_BYTES:
+        log.info("%s (%s)", what, free_space_text(out_dir))
+    return needed
+
+
 def _swap_into_place(built: dict[str, Path], out_dir: Path) -> None:
     """Move the finished databases to their final names (see :func:`files.replace_dir`)."""
     for split, tmp in built.items():
@@ -185,6 +219,7 @@ def _prepare_locked(
             f"data.val_fraction={data.val_fraction} leaves no training image out of "
             f"{len(listing)}; lower it"
         )
+    check_room(listing, data, out_dir)
     workers = workers or usable_cpus()
     # Each record takes at least one 4 KiB page; the map grows if this guess is short.
     record_bytes = data.image_size**2 * data.channels
