@@ -19,8 +19,8 @@ here; nothing imports torch or DVC's internals.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
-import json
 import logging
 import os
 import re
@@ -383,15 +383,22 @@ def apply_overrides(params: Mapping[str, Any], overrides: Mapping[str, Any]) -> 
     Raises:
         ParamsError: a key sets a whole section, or reaches inside a value.
     """
-    result = json.loads(json.dumps(params))
+    result = copy.deepcopy(dict(params))
     problems = []
+
+    def name_in(node: dict, part: str) -> str | int:
+        # YAML reads `4: 128` (model.g_channels) with an int key: "…g_channels.4" means it.
+        return int(part) if part.isdigit() and int(part) in node else part
+
     for key, value in overrides.items():
         *parents, leaf = key.split(".")
         node = result
         for part in parents:
-            node = node.setdefault(part, {}) if isinstance(node, dict) else None
+            node = node.setdefault(name_in(node, part), {}) if isinstance(node, dict) else None
             if node is None:
                 break
+        if isinstance(node, dict):
+            leaf = name_in(node, leaf)
         if isinstance(node, dict) and isinstance(node.get(leaf), dict):
             inner = ", ".join(f"{key}.{name}" for name in node[leaf])
             problems.append((key, f"is a section; override single values such as {inner}"))

@@ -32,6 +32,7 @@ from ganpipe.checkpoint import write_bytes_atomic
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.store import check_pair, check_val_not_empty, read_meta
 from ganpipe.params import Params
+from ganpipe.sampling import num_classes_of, sample_labels
 from stages._cli import TRAIN_LMDB, VAL_LMDB
 from stages._launch import join, lock_outputs
 from stages.generate import load_generator
@@ -75,19 +76,30 @@ def evaluate(params: Params) -> None:
         numerics = runtime.numerics_record(params.determinism, params.devices, context.device)
         extractor = extractor_for(params)
         g, model = load_generator(Path("models/g_ema.pt"))
+        num_classes = num_classes_of(g)
         n, world = cfg.num_samples, context.world_size
         mine = range(context.rank * n // world, (context.rank + 1) * n // world)
-        fake = evaluation.generated_features(
-            g,
-            extractor,
-            cfg.seed,
-            mine,
-            model.z_dim,
-            cfg.batch_size,
-            context.device,
-            progress=context.is_main,
-        )
-        shards = context.gather_objects(fake)
+
+        def features(net: torch.nn.Module) -> torch.Tensor:
+            local = evaluation.generated_features(
+                g,
+                net,
+                cfg.seed,
+                mine,
+                model.z_dim,
+                cfg.batch_size,
+                context.device,
+                progress=context.is_main,
+                num_classes=num_classes,
+            )
+            return torch.cat(context.gather_objects(local)) if context.is_main else local
+
+        fake = features(extractor)
+        classifier = classified = None
+        if num_classes is not None:
+            # Class accuracy needs the feature network's classifier, whatever the extractor.
+            classifier = evaluation.load_featurenet(Path("models/featurenet.pt"))
+            classified = fake if classifier.digest == extractor.digest else features(classifier)
         if context.is_main:
             val = LmdbImageDataset(VAL_LMDB)
             real = evaluation.real_features(
@@ -100,8 +112,23 @@ def evaluate(params: Params) -> None:
                 numerics=json.dumps(numerics, sort_keys=True),
             )
             metrics = evaluation.all_metrics(
-                real, torch.cat(shards), cfg.kid_subsets, cfg.kid_subset_size, cfg.pr_k, cfg.seed
+                real, fake, cfg.kid_subsets, cfg.kid_subset_size, cfg.pr_k, cfg.seed
             )
+            if num_classes is not None:
+                labels = sample_labels(range(n), num_classes)
+                per_class = evaluation.fid_per_class(
+                    real, torch.from_numpy(val.labels()), fake, labels
+                )
+                metrics["class_accuracy"] = evaluation.class_accuracy(
+                    classifier, classified, labels
+                )
+                metrics["fid_per_class"] = per_class
+                metrics["fid_per_class_mean"] = sum(per_class.values()) / max(1, len(per_class))
+                log.info(
+                    "class accuracy %.4f, FID per class %s",
+                    metrics["class_accuracy"],
+                    ", ".join(f"{k}: {v:.3f}" for k, v in metrics["fid_per_class"].items()),
+                )
             log.info(
                 "fid %.4f  kid %.5f ± %.5f  precision %.4f  recall %.4f (%.1f s)",
                 metrics["fid"],

@@ -77,10 +77,13 @@ class DvcliveLogger:
         self.live.log_image(f"progress/{images_seen:09d}.png", grid)
 
 
-def model_record(params: Params, net: str, state_dict: dict, numerics: dict) -> dict:
+def model_record(
+    params: Params, net: str, state_dict: dict, numerics: dict, num_classes: int | None = None
+) -> dict:
     """What a model file holds: enough to rebuild the network without params.yaml, and the
-    numerics it was computed with (:func:`ganpipe.runtime.numerics_record`)."""
-    return {
+    numerics it was computed with (:func:`ganpipe.runtime.numerics_record`);
+    ``num_classes`` for a class-conditional model only (an unconditional record is as before)."""
+    record = {
         "net": net,
         "model": params.model.model_dump(mode="json"),
         "image_size": params.data.image_size,
@@ -88,6 +91,9 @@ def model_record(params: Params, net: str, state_dict: dict, numerics: dict) -> 
         "numerics": numerics,
         "state_dict": state_dict,
     }
+    if num_classes is not None:
+        record["num_classes"] = num_classes
+    return record
 
 
 def _numerics_part(relevant: dict) -> dict:
@@ -246,7 +252,7 @@ def train_and_save(params: Params) -> None:
                 ("g_ema", result.g_ema.module),
             ):
                 kind = "discriminator" if name == "discriminator" else "generator"
-                record = model_record(params, kind, net.state_dict(), numerics)
+                record = model_record(params, kind, net.state_dict(), numerics, result.num_classes)
                 save_atomic(record, MODELS / f"{name}.pt")
         context.barrier()
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils.data import Dataset
 
 from ganpipe import dist, runtime
 from ganpipe.augment import Augment
@@ -22,10 +23,33 @@ def scaled_lr(lr: float, train: TrainParams) -> float:
     return lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[train.lr_scaling]
 
 
-def build_gan(params: Params, context: DistContext | torch.device) -> tuple[Gan, EmaGenerator]:
+def conditional_classes(params: Params, dataset: Dataset) -> int | None:
+    """The classes a model.conditional GAN is built for (None when not conditional): every
+    label up to the dataset's last one present.
+
+    Raises:
+        ValueError: the dataset has fewer than 2 classes.
+    """
+    if not params.model.conditional:
+        return None
+    counts = dataset.class_counts()
+    present = [label for label, count in enumerate(counts) if count > 0]
+    if len(present) < 2:
+        raise ValueError(
+            f"model.conditional=true needs at least 2 classes, but the training set has "
+            f"{len(present)}; set model.conditional false, or use labelled data (data.source "
+            "folder with one subfolder per class, digits, mnist or cifar10)"
+        )
+    return present[-1] + 1
+
+
+def build_gan(
+    params: Params, context: DistContext | torch.device, num_classes: int | None = None
+) -> tuple[Gan, EmaGenerator]:
     """G, D (DDP-wrapped when distributed), optimizers, loss, precision tools, EMA of G.
 
-    The weights are a function of ``params.seed`` only (the same on every rank).
+    The weights are a function of ``params.seed`` only (the same on every rank);
+    ``num_classes`` (:func:`conditional_classes`) sizes a conditional model's embeddings.
     """
     if isinstance(context, torch.device):
         context = DistContext(device=context)
@@ -36,6 +60,7 @@ def build_gan(params: Params, context: DistContext | torch.device) -> tuple[Gan,
         params.data.channels,
         runtime.seeded_generator(params.seed, "init"),
         cfg.activation_checkpointing,
+        num_classes=num_classes,
     )
     g_ema = EmaGenerator(g, cfg.ema_kimg).to(device)
     sync_bn = params.model.norm == "sync_batch"

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from ganpipe import runtime
 from ganpipe.checkpoint import hashed_bytes, load, read_hashed, read_model_file, write_bytes_atomic
 from ganpipe.featurenet import from_record
-from ganpipe.sampling import sample_latents, to_uint8
+from ganpipe.sampling import sample_labels, sample_latents, to_uint8
 
 log = logging.getLogger(__name__)
 
@@ -204,16 +204,48 @@ def generated_features(
     batch_size: int,
     device: torch.device,
     progress: bool = True,
+    num_classes: int | None = None,
 ) -> torch.Tensor:
-    """Features of generated samples ``indices`` (generator in eval mode)."""
+    """Features of generated samples ``indices`` (generator in eval mode); a conditional
+    generator (``num_classes``) draws sample ``i`` for class :func:`sample_labels`."""
     generator.to(device).eval()
 
     def batches():
         for start in range(indices.start, indices.stop, batch_size):
             chunk = range(start, min(start + batch_size, indices.stop))
-            yield generator(sample_latents(seed, chunk, z_dim).to(device)).clamp(-1, 1)
+            z = sample_latents(seed, chunk, z_dim).to(device)
+            if num_classes is None:
+                yield generator(z).clamp(-1, 1)
+            else:
+                labels = sample_labels(chunk, num_classes).to(device)
+                yield generator(z, labels).clamp(-1, 1)
 
     return features_of(extractor, batches(), device, len(indices), "generated features", progress)
+
+
+def class_accuracy(classifier: nn.Module, features: torch.Tensor, labels: torch.Tensor) -> float:
+    """The share of generated samples that the feature network's classifier (trained on the
+    real training split) puts in the class they were drawn for: does a 3 look like a 3.
+
+    ``classifier`` is the :class:`ganpipe.featurenet.Embedding` whose ``features`` they are;
+    its classification head turns them into logits.
+    """
+    head = classifier.net.head
+    logits = head(features.to(head.weight.device, head.weight.dtype))
+    return (logits.argmax(1).cpu() == labels).double().mean().item()
+
+
+def fid_per_class(
+    real: torch.Tensor, real_labels: torch.Tensor, fake: torch.Tensor, fake_labels: torch.Tensor
+) -> dict[str, float]:
+    """FID between the real and the generated images of each class; a class with fewer than
+    2 images on either side is left out."""
+    out = {}
+    for label in sorted(set(fake_labels.tolist())):
+        ours, theirs = real[real_labels == label], fake[fake_labels == label]
+        if len(ours) >= 2 and len(theirs) >= 2:
+            out[str(label)] = fid(ours, theirs)
+    return out
 
 
 class Features(nn.Module):

@@ -19,11 +19,11 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from ganpipe import dist, runstate
-from ganpipe.build import build_gan
+from ganpipe.build import build_gan, conditional_classes
 from ganpipe.dist import DistContext
 from ganpipe.ema import EmaGenerator
 from ganpipe.params import Params
-from ganpipe.sampling import snapshot
+from ganpipe.sampling import grid_labels, snapshot
 from ganpipe.strategies import STRATEGIES
 from ganpipe.stream import Stream, data_position, latents
 from ganpipe.trainlog import Meter, TrainLogger
@@ -38,6 +38,8 @@ class TrainResult:
     g: torch.nn.Module
     d: torch.nn.Module
     g_ema: EmaGenerator
+    num_classes: int | None
+    """Classes of a conditional model (None: unconditional)."""
     images_seen: int
     iterations: int
     skipped_steps: dict[str, int]
@@ -94,7 +96,8 @@ def train(
             f"train.batch_size={cfg.batch_size} is larger than the training set "
             f"({len(dataset)} images); lower it or add data"
         )
-    gan, g_ema = build_gan(params, context)
+    num_classes = conditional_classes(params, dataset)
+    gan, g_ema = build_gan(params, context, num_classes)
     logger = logger if context.is_main else None
     run, resumed = runstate.Progress(), None
     if run_dir is not None:
@@ -118,10 +121,14 @@ def train(
     log_every = max(1, round(cfg.log_every_kimg * 1000 / per_iteration))
     snapshot_every = max(1, round(cfg.snapshot_kimg * 1000 / per_iteration))
     checkpoint_every = max(1, round(cfg.checkpoint_kimg * 1000 / per_iteration))
-    stream = Stream(params, dataset, context, start, iterations)
+    stream = Stream(params, dataset, context, start, iterations, num_classes)
     meter = Meter(params, context, run)
     fixed_z = latents(params.seed, -1, params.generate.grid_rows**2, params.model.z_dim)
     fixed_z = fixed_z.to(device)
+    fixed_y = None  # a conditional grid shows one class per row
+    if num_classes is not None:
+        fixed_y = grid_labels(params.generate.grid_rows, params.generate.grid_rows, num_classes)
+        fixed_y = fixed_y.to(device)
     keeps_grids = context.is_main and (logger is not None or run_dir is not None)
 
     gan.g.train()
@@ -169,7 +176,7 @@ def train(
                     refresh=False,
                 )
             if keeps_grids and (done % snapshot_every == 0 or done == iterations):
-                grid = snapshot(g_ema, fixed_z, params.generate.grid_rows)
+                grid = snapshot(g_ema, fixed_z, params.generate.grid_rows, fixed_y)
                 if logger is not None:
                     logger.log_grid(images_seen, grid)
                 if run_dir is not None:
@@ -205,5 +212,5 @@ def train(
     log.info("trained %d iterations, %.1f kimg", iterations, iterations * per_iteration / 1000)
     g, d = dist.unwrap(gan.g), dist.unwrap(gan.d)
     return TrainResult(
-        g.cpu(), d.cpu(), g_ema.cpu(), iterations * per_iteration, iterations, skipped
+        g.cpu(), d.cpu(), g_ema.cpu(), num_classes, iterations * per_iteration, iterations, skipped
     )

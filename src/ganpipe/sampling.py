@@ -81,6 +81,18 @@ def sample_latents(
     return out
 
 
+def sample_labels(indices: range, num_classes: int) -> torch.Tensor:
+    """Classes of samples ``indices`` of a conditional generator: sample ``i`` is class
+    ``i mod num_classes`` (every class equally often, whichever process or batch makes it)."""
+    return torch.tensor([i % num_classes for i in indices], dtype=torch.int64)
+
+
+def num_classes_of(generator: torch.nn.Module) -> int | None:
+    """The classes of a class-conditional generator (or of the one an EMA or DDP wrapper
+    holds in ``.module``); None for an unconditional one."""
+    return getattr(getattr(generator, "module", generator), "num_classes", 0) or None
+
+
 def slerp(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """Spherical interpolation between rows of ``a`` and ``b`` at fractions ``t``.
 
@@ -97,21 +109,35 @@ def slerp(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate(generator: torch.nn.Module, z: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
-    """Images (CPU, [-1, 1]) of latents ``z``, generator in eval mode, in batches."""
+def generate(
+    generator: torch.nn.Module,
+    z: torch.Tensor,
+    batch_size: int = 256,
+    labels: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Images (CPU, [-1, 1]) of latents ``z`` (and ``labels`` for a conditional generator),
+    generator in eval mode, in batches."""
     device = next(generator.parameters()).device
     generator.eval()
-    return torch.cat(
-        [generator(chunk.to(device)).clamp(-1, 1).cpu() for chunk in z.split(batch_size)]
-    )
+    chunks = z.split(batch_size)
+    classes = [None] * len(chunks) if labels is None else labels.split(batch_size)
+    out = []
+    for chunk, y in zip(chunks, classes, strict=True):
+        inputs = (chunk.to(device),) if y is None else (chunk.to(device), y.to(device))
+        out.append(generator(*inputs).clamp(-1, 1).cpu())
+    return torch.cat(out)
 
 
 def sample_grid(
     generator: torch.nn.Module, z_dim: int, rows: int, seed: int, truncation: float | None = None
 ) -> np.ndarray:
-    """A ``rows x rows`` grid of samples ``0 .. rows² - 1`` of ``seed``."""
-    z = sample_latents(seed, range(rows * rows), z_dim, truncation)
-    return image_grid(generate(generator, z), rows)
+    """A ``rows x rows`` grid of samples ``0 .. rows² - 1`` of ``seed``; for a conditional
+    generator one row of ``rows`` samples per class (samples ``0 ..`` in row order)."""
+    num_classes = num_classes_of(generator)
+    lines = rows if num_classes is None else num_classes
+    z = sample_latents(seed, range(lines * rows), z_dim, truncation)
+    labels = None if num_classes is None else grid_labels(num_classes, rows, num_classes)
+    return image_grid(generate(generator, z, labels=labels), rows)
 
 
 def interpolation_strips(
@@ -133,7 +159,9 @@ def interpolation_strips(
             for r in range(rows)
         ]
     )
-    return image_grid(generate(generator, z), steps)
+    num_classes = num_classes_of(generator)  # strip r: class r mod num_classes
+    labels = None if num_classes is None else grid_labels(rows, steps, num_classes)
+    return image_grid(generate(generator, z, labels=labels), steps)
 
 
 def export_pngs(
@@ -146,20 +174,27 @@ def export_pngs(
     batch_size: int = 256,
     progress: bool = True,
 ) -> None:
-    """Write samples ``0 .. count - 1`` as ``out_dir/000000.png`` ...; the folder is built
-    beside ``out_dir`` and swapped in when complete, so it never holds a partial set."""
+    """Write samples ``0 .. count - 1`` as ``out_dir/000000.png`` ... (a conditional
+    generator's as ``out_dir/<class>/000000.png``, sample ``i`` of class ``i mod classes``);
+    the folder is built beside ``out_dir`` and swapped in when complete, so it never holds a
+    partial set."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}{TMP_MARK}", dir=out_dir.parent))
+    num_classes = num_classes_of(generator)
     try:
         with tqdm(
             total=count, desc="export", unit="img", disable=not progress, mininterval=1.0
         ) as bar:
             for start in range(0, count, batch_size):
                 chunk = range(start, min(start + batch_size, count))
-                images = generate(generator, sample_latents(seed, chunk, z_dim, truncation))
+                z = sample_latents(seed, chunk, z_dim, truncation)
+                labels = None if num_classes is None else sample_labels(chunk, num_classes)
+                images = generate(generator, z, labels=labels)
                 for i, image in zip(chunk, images, strict=True):
                     pixels = to_uint8(image).permute(1, 2, 0).numpy()
-                    (tmp / f"{i:06d}.png").write_bytes(png_bytes(pixels))
+                    folder = tmp if labels is None else tmp / str(i % num_classes)
+                    folder.mkdir(exist_ok=True)
+                    (folder / f"{i:06d}.png").write_bytes(png_bytes(pixels))
                 bar.update(len(chunk))
         replace_dir(tmp, out_dir)
     except BaseException:
@@ -167,11 +202,20 @@ def export_pngs(
         raise
 
 
+def grid_labels(rows: int, columns: int, num_classes: int) -> torch.Tensor:
+    """Labels of a ``rows x columns`` grid of a conditional model: row ``r`` is class
+    ``r % num_classes``."""
+    return (torch.arange(rows * columns) // columns) % num_classes
+
+
 @torch.no_grad()
-def snapshot(generator: torch.nn.Module, z: torch.Tensor, rows: int) -> np.ndarray:
-    """A ``rows x rows`` grid (HWC uint8) from fixed latents, with G in eval mode."""
+def snapshot(
+    generator: torch.nn.Module, z: torch.Tensor, rows: int, labels: torch.Tensor | None = None
+) -> np.ndarray:
+    """A ``rows x rows`` grid (HWC uint8) from fixed latents (and labels of a conditional
+    G), with G in eval mode."""
     was_training = generator.training
     generator.eval()
-    images = generator(z).float().cpu()
+    images = (generator(z) if labels is None else generator(z, labels)).float().cpu()
     generator.train(was_training)
     return image_grid(images, rows)

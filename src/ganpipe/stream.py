@@ -68,6 +68,13 @@ def latents(seed: int, step: int, batch_size: int, z_dim: int) -> torch.Tensor:
     return torch.randn(batch_size, z_dim, generator=runtime.seeded_generator(seed, "z", step))
 
 
+def fake_labels(seed: int, step: int, batch_size: int, num_classes: int) -> torch.Tensor:
+    """The classes the fakes of global batch ``step`` are drawn for (conditional models):
+    uniform over ``num_classes``, a function of the seed and the step only."""
+    generator = runtime.seeded_generator(seed, "labels", step)
+    return torch.randint(num_classes, (batch_size,), generator=generator)
+
+
 def data_position(batches_done: int, num_items: int, batch_size: int) -> dict[str, int]:
     """Where the data stream stands after ``batches_done`` global batches."""
     per_epoch = num_items // batch_size
@@ -110,12 +117,20 @@ class Stream:
     """
 
     def __init__(
-        self, params: Params, dataset: Dataset, context: DistContext, start: int, iterations: int
+        self,
+        params: Params,
+        dataset: Dataset,
+        context: DistContext,
+        start: int,
+        iterations: int,
+        num_classes: int | None = None,
     ):
         cfg = params.train
         self.seed, self.n_critic, self.batch_size = params.seed, cfg.n_critic, cfg.batch_size
         self.z_dim, self.device = params.model.z_dim, context.device
         self.augments = bool(cfg.augment_policy)
+        self.num_classes = num_classes
+        """Classes of a conditional model (labels go with each batch); None: unconditional."""
         self.mine = context.local_slice(cfg.batch_size)
         self.expected = min(start, iterations)
         sampler = EpochBatchSampler(
@@ -158,8 +173,13 @@ class Stream:
 
     def _batch(self, index: int) -> Batch:
         """Global batch ``index``: its images from the loader, the rest from the seed."""
-        images, _ = next(self.batches)
+        images, labels = next(self.batches)
         z = latents(self.seed, index, self.batch_size, self.z_dim)[self.mine]
+        real_labels = fake = None
+        if self.num_classes is not None:
+            real_labels = labels.to(self.device)
+            fake = fake_labels(self.seed, index, self.batch_size, self.num_classes)[self.mine]
+            fake = fake.to(self.device)
         draws = None
         if self.augments:
             draws = {
@@ -168,4 +188,5 @@ class Stream:
                 )
                 for which in augment.PASSES
             }
-        return Batch(to_device_images(images, self.device), z.to(self.device), draws=draws)
+        real = to_device_images(images, self.device)
+        return Batch(real, z.to(self.device), real_labels, fake, draws)

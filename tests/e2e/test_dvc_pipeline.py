@@ -90,12 +90,28 @@ def test_experiments_for_every_strategy_and_loss(built):
             ["-S", "train.loss=wgan_gp", "-S", "train.n_critic=2", "-S", "model.norm=layer"],
         ),
         ("l-r1", ["-S", "train.r1_gamma=1.0", "-S", "model.norm=instance", "-S", "precision=bf16"]),
+        (
+            "c-resnet",
+            [
+                *("-S", "model.arch=resnet", "-S", "model.conditional=true"),
+                *("-S", "train.augment=color,translation,cutout"),
+            ],
+        ),
     ]
     for name, overrides in runs:
         result = sh(["dvc", "exp", "run", "--name", name, *overrides], clone)
         assert "Running stage 'train'" in result.stdout
         assert "Running stage 'prepare'" not in result.stdout  # data unchanged: cached
         assert "Running stage 'featurenet'" not in result.stdout  # same feature space
+    # the workspace holds the last experiment's outputs: a conditional model's samples are
+    # exported per class and its evaluation judges them per class
+    evaluated = json.loads((clone / "metrics/eval/metrics.json").read_text())
+    assert 0 <= evaluated["class_accuracy"] <= 1
+    assert sorted(evaluated["fid_per_class"], key=int) == [str(c) for c in range(10)]
+    exported = sorted(
+        p.relative_to(clone / "samples/images") for p in clone.glob("samples/images/*/*.png")
+    )
+    assert [str(p.parent) for p in exported] == sorted(str(i % 10) for i in range(len(exported)))
     shown = json.loads(sh(["dvc", "exp", "show", "--json"], clone).stdout)
     found = {}
     for commit in shown:

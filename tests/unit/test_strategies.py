@@ -253,9 +253,7 @@ def test_gradient_accumulation_equals_the_whole_batch(name, n_critic, arch):
         gan.grad_accum = accum
         # two steps: the second from different weights
         stats = STRATEGIES[name](gan, Batch.many(reals, zs))
-        stats = STRATEGIES[name](
-            gan, Batch.many(reals, zs)
-        )  # a second step, from different weights
+        stats = STRATEGIES[name](gan, Batch.many(reals, zs))
         flat = torch.cat([p.detach().flatten() for p in [*g.parameters(), *d.parameters()]])
         results[accum] = (flat, stats)
     whole, whole_stats = results[1]
