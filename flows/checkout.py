@@ -86,6 +86,22 @@ class DvcCommandError(RuntimeError):
         super().__init__(failure_message(command, returncode, tail))
 
 
+class ExperimentFailed(RuntimeError):
+    """An experiment run (a flow run of its own, on any worker) ended without success.
+
+    Attributes:
+        state: Its final state, lower case: ``failed``, ``crashed`` (its process or machine
+            died) or ``cancelled``.
+        transient: True when running it again may succeed: it crashed, or a stage was
+            killed or hit a held lock or an I/O hiccup (:data:`TRANSIENT`).
+    """
+
+    def __init__(self, name: str, state: str, message: str):
+        self.state = state
+        self.transient = state == "crashed" or bool(TRANSIENT.search(message))
+        super().__init__(f"experiment {name} {state}: {message}")
+
+
 def failure_message(command: list[str], returncode: int | None, tail: str) -> str:
     """One readable message for a failed command: its ``error:`` and ``ERROR:`` lines first.
 
