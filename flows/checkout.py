@@ -318,6 +318,17 @@ def experiment_ref(baseline: str, name: str) -> str:
     return f"refs/exps/{baseline[:2]}/{baseline[2:]}/{name}"
 
 
+def push_remote(project: Path) -> str | None:
+    """The git remote experiments are pushed to, if the project asks for it: DVC's own
+    settings ``exp.auto_push true`` and ``exp.git_remote NAME`` (``dvc config``), the ones
+    ``dvc exp run`` obeys. None when ``auto_push`` is off."""
+    listed = run(["dvc", "config", "--list"], project)
+    config = dict(line.partition("=")[::2] for line in listed.splitlines() if "=" in line)
+    if config.get("exp.auto_push", "").lower() not in ("true", "1", "yes"):
+        return None
+    return config.get("exp.git_remote") or "origin"
+
+
 def experiment_exists(project: Path, baseline: str, name: str) -> bool:
     return bool(git(["for-each-ref", experiment_ref(baseline, name)], project))
 

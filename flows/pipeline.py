@@ -5,8 +5,10 @@ worktree sharing the project's DVC cache (:mod:`flows.checkout`), writes its ove
 that checkout's params.yaml, runs every stage of dvc.yaml as a Prefect task
 (``dvc repro STAGE``: unchanged stages come from the run cache), records the result as a
 DVC experiment of the project (``dvc exp show`` / ``dvc exp apply NAME`` in the workspace)
-and removes the checkout. The user's workspace is never written. The sweep runs this flow
-once per grid point, so an experiment is a flow run of its own.
+and removes the checkout. The user's workspace is never written. With DVC's
+``exp.auto_push`` set (``dvc config exp.auto_push true``, ``exp.git_remote``), the experiment
+is pushed: its ref to the git remote, its outputs and the run cache to the DVC remote. The
+sweep runs this flow once per grid point, so an experiment is a flow run of its own.
 
 Run once by hand (a temporary local Prefect API starts when no server is configured)::
 
@@ -83,6 +85,15 @@ def run_stage(path: str, stage: str) -> str:
     """
     output = checkout.run(["dvc", "repro", stage], Path(path), run_logger().info)
     return "ran" if f"Running stage '{stage}'" in output else "cached"
+
+
+@task(retries=3, retry_delay_seconds=5, retry_condition_fn=retry_only_transient)
+def push_experiment(project: str, remote: str, ref: str) -> str:
+    """``dvc exp push --run-cache REMOTE REF``: the experiment's git ref to the git remote, its
+    outputs and the project's run cache to the default DVC remote, so that another clone
+    lists it (``dvc exp pull``) and restores it without training (``dvc repro --pull``)."""
+    checkout.run(["dvc", "exp", "push", "--run-cache", remote, ref], Path(project))
+    return remote
 
 
 def where_it_ran() -> dict[str, str | None]:
@@ -217,6 +228,12 @@ def pipeline(
         }
         message = f"ganpipe experiment {exp_name}: {json.dumps(valid, ensure_ascii=False)}"
         checkout.record_experiment(root, sha, exp_name, message)
+        remote = checkout.push_remote(project)
+        if remote:
+            ref = checkout.experiment_ref(sha, exp_name)
+            push_experiment.with_options(task_run_name=f"push to {remote}")(
+                str(project), remote, ref
+            )
         record = {
             "experiment": exp_name,
             "commit": sha,

@@ -134,12 +134,13 @@ def api(env: dict[str, str], path: str, body: dict | None = None):
 
 
 def pid_of(path: Path) -> int | None:
+    """The pid in the file ``path`` if that process still runs (a zombie does not)."""
     try:
         pid = int(path.read_text().split()[0])
         os.kill(pid, 0)
     except (OSError, ValueError, IndexError):
         return None
-    return pid
+    return None if gone(pid) else pid
 
 
 def gone(pid: int) -> bool:
