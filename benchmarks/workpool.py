@@ -19,6 +19,7 @@ import itertools
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -86,6 +87,7 @@ def run_sweep(project: Path, workers: int, query_s: float, name: str, seed: int)
         assert run.state.is_completed(), run.state
     finally:
         service.stop(state)
+        shutil.rmtree(state, ignore_errors=True)
     rows = json.loads((project / f"reports/{name}.json").read_text())["runs"]
     gaps = []
     for worker in {r["worker"] for r in rows}:
@@ -115,10 +117,13 @@ def main() -> None:
     sh(["dvc", "repro"], project)
     sh(["git", "add", "-A"], project)
     sh(["git", "commit", "-qm", "baseline"], project)
-    results = [
-        run_sweep(project, workers, query_s, f"bench{i}", seed=100 + i)
-        for i, (workers, query_s) in enumerate(SETTINGS)
-    ]
+    try:
+        results = [
+            run_sweep(project, workers, query_s, f"bench{i}", seed=100 + i)
+            for i, (workers, query_s) in enumerate(SETTINGS)
+        ]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     one = next(r for r in results if r["workers"] == 1 and r["query_s"] == 2.0)
     two = next(r for r in results if r["workers"] == 2)
     commit = subprocess.run(
