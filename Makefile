@@ -13,14 +13,22 @@ export PREFECT_HOME := $(CURDIR)/.state/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
 # `make serve`: a local Prefect server on 127.0.0.1:$(PREFECT_PORT) that wants the credentials
-# of .state/prefect-auth (made once, mode 0600), and the served deployments, in the background
-# (log and pid under .state/); `make stop` stops both; `make flow-runs` lists the runs with
-# .state/prefect.env (URL and credentials). SERVE_ARGS go to `python -m flows.serve`,
-# e.g. SERVE_ARGS="--pipeline 60 --sweep off". Docs: docs/orchestration.md.
+# of .state/prefect-auth (made once, mode 0600), the deployments on the process work pool
+# `ganpipe`, one local worker for the experiments and one for the sweeps, in the background
+# (logs and pids under .state/); SQLite unless PREFECT_DB names a database
+# (postgresql+asyncpg://USER:PASSWORD@HOST:5432/DB). `make worker GPU=N` adds a worker whose
+# runs see only GPU N (CUDA_VISIBLE_DEVICES), here or on another machine with the server's
+# .state/prefect.env copied over. `make stop` stops what both started; `make flow-runs` lists
+# the runs with .state/prefect.env (URL and credentials). SERVE_ARGS go to
+# `python -m flows.service start`, e.g. SERVE_ARGS="--pipeline 60 --sweep off --gpu 0".
+# Docs: docs/orchestration.md, docs/team.md.
 PREFECT_PORT ?= 4200
+PREFECT_DB ?=
 SERVE_ARGS ?=
+GPU ?=
+WORKER_ARGS ?=
 
-.PHONY: setup repro report docs test test-fast lint format bench clean serve stop flow-runs
+.PHONY: setup repro report docs test test-fast lint format bench clean serve worker stop flow-runs
 
 setup: $(STAMP) $(NPM_STAMP)
 
@@ -67,10 +75,13 @@ bench: setup
 	python -m benchmarks.loader
 
 serve: setup
-	python -m flows.service start --port $(PREFECT_PORT) $(SERVE_ARGS)
+	python -m flows.service start --port $(PREFECT_PORT) \
+		$(if $(PREFECT_DB),--database-url '$(PREFECT_DB)') $(SERVE_ARGS)
 
-# flows.service imports the standard library only: works with any python3, even without .venv
-# (then it stops the server by its pid file instead of `prefect server stop`).
+worker: setup
+	python -m flows.service worker $(if $(GPU),--gpu $(GPU)) $(WORKER_ARGS)
+
+# flows.service imports the standard library only: works with any python3, even without .venv.
 stop:
 	python3 -m flows.service stop
 

@@ -86,6 +86,22 @@ class DvcCommandError(RuntimeError):
         super().__init__(failure_message(command, returncode, tail))
 
 
+class ExperimentFailed(RuntimeError):
+    """An experiment run (a flow run of its own, on any worker) ended without success.
+
+    Attributes:
+        state: Its final state, lower case: ``failed``, ``crashed`` (its process or machine
+            died) or ``cancelled``.
+        transient: True when running it again may succeed: it crashed, or a stage was
+            killed or hit a held lock or an I/O hiccup (:data:`TRANSIENT`).
+    """
+
+    def __init__(self, name: str, state: str, message: str):
+        self.state = state
+        self.transient = state == "crashed" or bool(TRANSIENT.search(message))
+        super().__init__(f"experiment {name} {state}: {message}")
+
+
 def failure_message(command: list[str], returncode: int | None, tail: str) -> str:
     """One readable message for a failed command: its ``error:`` and ``ERROR:`` lines first.
 
@@ -306,6 +322,17 @@ def record_experiment(path: Path, baseline: str, name: str, message: str) -> str
 def experiment_ref(baseline: str, name: str) -> str:
     """DVC's ref of experiment ``name`` on ``baseline`` (dvc/repo/experiments/refs.py)."""
     return f"refs/exps/{baseline[:2]}/{baseline[2:]}/{name}"
+
+
+def push_remote(project: Path) -> str | None:
+    """The git remote experiments are pushed to, if the project asks for it: DVC's own
+    settings ``exp.auto_push true`` and ``exp.git_remote NAME`` (``dvc config``), the ones
+    ``dvc exp run`` obeys. None when ``auto_push`` is off."""
+    listed = run(["dvc", "config", "--list"], project)
+    config = dict(line.partition("=")[::2] for line in listed.splitlines() if "=" in line)
+    if config.get("exp.auto_push", "").lower() not in ("true", "1", "yes"):
+        return None
+    return config.get("exp.git_remote") or "origin"
 
 
 def experiment_exists(project: Path, baseline: str, name: str) -> bool:

@@ -5,8 +5,10 @@ worktree sharing the project's DVC cache (:mod:`flows.checkout`), writes its ove
 that checkout's params.yaml, runs every stage of dvc.yaml as a Prefect task
 (``dvc repro STAGE``: unchanged stages come from the run cache), records the result as a
 DVC experiment of the project (``dvc exp show`` / ``dvc exp apply NAME`` in the workspace)
-and removes the checkout. The user's workspace is never written. The sweep runs this flow
-once per grid point, so an experiment is a flow run of its own.
+and removes the checkout. The user's workspace is never written. With DVC's
+``exp.auto_push`` set (``dvc config exp.auto_push true``, ``exp.git_remote``), the experiment
+is pushed: its ref to the git remote, its outputs and the run cache to the DVC remote. The
+sweep runs this flow once per grid point, so an experiment is a flow run of its own.
 
 Run once by hand (a temporary local Prefect API starts when no server is configured)::
 
@@ -18,8 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import shutil
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -51,7 +55,7 @@ def retry_only_transient(task, task_run, state) -> bool:
     error = state.data if isinstance(state.data, BaseException) else None
     if error is None:
         error = state.result(raise_on_failure=False)
-    return isinstance(error, DvcCommandError) and error.transient
+    return isinstance(error, DvcCommandError | checkout.ExperimentFailed) and error.transient
 
 
 @task(task_run_name="validate overrides")
@@ -83,13 +87,33 @@ def run_stage(path: str, stage: str) -> str:
     return "ran" if f"Running stage '{stage}'" in output else "cached"
 
 
+@task(retries=3, retry_delay_seconds=5, retry_condition_fn=retry_only_transient)
+def push_experiment(project: str, remote: str, ref: str) -> str:
+    """``dvc exp push --run-cache REMOTE REF``: the experiment's git ref to the git remote, its
+    outputs and the project's run cache to the default DVC remote, so that another clone
+    lists it (``dvc exp pull``) and restores it without training (``dvc repro --pull``)."""
+    checkout.run(["dvc", "exp", "push", "--run-cache", remote, ref], Path(project))
+    return remote
+
+
+def where_it_ran() -> dict[str, str | None]:
+    """Which machine, worker and GPUs run this process (the worker's environment reaches
+    every flow run it starts: ``GANPIPE_WORKER``, ``CUDA_VISIBLE_DEVICES``)."""
+    return {
+        "host": socket.gethostname(),
+        "worker": os.environ.get("GANPIPE_WORKER"),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+
+
 def publish_run(root: Path, project: Path, record: dict[str, Any]) -> dict[str, Any]:
     """Publish the run's record as Prefect artifacts; return it with the metrics added.
 
-    Artifacts: ``pipeline-metrics`` (a table of every metric, measurements included, and
-    every param, overridden params marked) and ``pipeline-run`` (markdown: the experiment,
-    the stages, links to the samples and the plots page, kept in ``.state/runs/RUN/`` of
-    the project).
+    Artifacts: ``pipeline-metrics`` (a table of every metric, measurements included, every
+    param, overridden params marked, and where the run ran: rows of kind ``run``) and
+    ``pipeline-run`` (markdown: the experiment, the stages, where it ran, links to the
+    samples and the plots page, kept in ``.state/runs/RUN/`` of the project). The table
+    is what a sweep reads back through the API, from whichever machine ran the experiment.
     """
     shown = json.loads(checkout.run(["dvc", "metrics", "show", "--json"], root))
     files = {p: e.get("data") or {} for p, e in (shown.get("", {}).get("data") or {}).items()}
@@ -112,6 +136,10 @@ def publish_run(root: Path, project: Path, record: dict[str, Any]) -> dict[str, 
             "value": json.dumps(value) if isinstance(value, list) else value,
         }
         for key, value in checkout.flatten(params).items()
+    ]
+    rows += [
+        {"kind": "run", "source": "environment", "key": key, "value": value}
+        for key, value in record["ran_on"].items()
     ]
     create_table_artifact(
         rows, key="pipeline-metrics", description="Metrics and params of this run"
@@ -145,6 +173,7 @@ def run_markdown(record: dict[str, Any]) -> str:
         "",
         f"- DVC experiment: **{exp}** on commit `{record['commit'][:7]}` "
         f"(`dvc exp show`, `dvc exp apply {exp}` in the project)",
+        "- ran on: " + ", ".join(f"{key} `{value}`" for key, value in record["ran_on"].items()),
     ]
     if record["overrides"]:
         lines.append(f"- overrides: `{json.dumps(record['overrides'], ensure_ascii=False)}`")
@@ -199,7 +228,19 @@ def pipeline(
         }
         message = f"ganpipe experiment {exp_name}: {json.dumps(valid, ensure_ascii=False)}"
         checkout.record_experiment(root, sha, exp_name, message)
-        record = {"experiment": exp_name, "commit": sha, "stages": stages, "overrides": valid}
+        remote = checkout.push_remote(project)
+        if remote:
+            ref = checkout.experiment_ref(sha, exp_name)
+            push_experiment.with_options(task_run_name=f"push to {remote}")(
+                str(project), remote, ref
+            )
+        record = {
+            "experiment": exp_name,
+            "commit": sha,
+            "stages": stages,
+            "overrides": valid,
+            "ran_on": where_it_ran(),
+        }
         return publish_run(root, project, record)
 
 

@@ -38,10 +38,21 @@ class Run:
     settings: dict[str, Any]
     """The grid values of this run (``{"train.strategy": ..., "seed": ...}``)."""
     state: str
-    """success, failed, queued, running, or missing (not in ``dvc exp show``)."""
+    """success, failed, crashed (its worker died), cancelled, or missing (never ended)."""
     metric: float | None = None
     perf: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    ran_on: str | None = None
+    """Which worker and GPUs ran it (``gpu-host-gpu0, CUDA_VISIBLE_DEVICES=0``)."""
+
+
+def describe_ran_on(ran_on: Mapping[str, Any] | None) -> str | None:
+    """``worker, CUDA_VISIBLE_DEVICES=N`` from a run's record of where it ran."""
+    if not ran_on:
+        return None
+    devices = ran_on.get("cuda_visible_devices")
+    shown = "unset" if devices is None else repr(devices) if devices == "" else devices
+    return f"{ran_on.get('worker') or ran_on.get('host')}, CUDA_VISIBLE_DEVICES={shown}"
 
 
 @dataclass
@@ -92,6 +103,7 @@ def collect_runs(
                 metric=find_metric(metrics, metric),
                 perf={k: v for k, v in perf.items() if v is not None},
                 error=(errors or {}).get(name) or exp.get("error"),
+                ran_on=describe_ran_on(exp.get("ran_on")),
             )
         )
     return runs
@@ -197,11 +209,14 @@ def render_markdown(
 
     lines += ["## All runs", ""]
     keys = list(dict.fromkeys(k for r in runs for k in r.settings))
+    where = any(r.ran_on for r in runs)
     head = ["experiment", *keys, metric, *(PERF_TITLES[k] for k in perf_cols), "state"]
+    head += ["ran on"] if where else []
     lines += ["| rank | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
     for i, run in enumerate(rank_runs(runs, higher_is_better), 1):
         cells = [f"`{run.name}`", *(str(run.settings.get(k, "")) for k in keys)]
         cells += [_fmt(run.metric), *(_fmt(run.perf.get(k)) for k in perf_cols), run.state]
+        cells += [run.ran_on or "—"] if where else []
         rank = str(i) if run.metric is not None else "—"
         lines.append(f"| {rank} | " + " | ".join(cells) + " |")
 

@@ -2,11 +2,14 @@
 
 Every combination of the grid (default: the three update strategies x fp32/bf16 x two
 seeds, at a small ``train.kimg``) is validated by the params schema first; then each is one
-run of the pipeline flow (a subflow, in a checkout of its own at the commit the sweep
-started from, recorded as a DVC experiment), up to ``parallel`` at a time through Prefect's
-thread-pool task runner, with Prefect's retries and cancellation. When all have ended, the
-comparison is published: a table ranked by a metric (default ``fid``) with step time and
-peak memory, and a markdown report with a plot, written to ``reports/sweep.md`` (+ ``.png``,
+run of the deployment ``ganpipe-pipeline/experiment`` (a flow run of its own that any worker
+of the work pool may take, in a checkout of its own at the commit the sweep started from,
+recorded as a DVC experiment): the sweep starts them all (at most ``parallel`` unfinished at
+once, if given) and waits for their final states; N workers run N at a time. Cancelling the
+sweep cancels them; one whose worker died is marked Crashed by the server (no heartbeat) and
+started again if ``retries`` allows. When all have ended, the comparison is published: a
+table ranked by a metric (default ``fid``) with step time, peak memory and where each ran,
+and a markdown report with a plot, written to ``reports/sweep.md`` (+ ``.png``,
 ``.json``) and as Prefect artifacts. This report is the project's answer to "which strategy
 should I use".
 
@@ -14,7 +17,10 @@ Run once by hand::
 
     python -m flows.sweep                                   # the default grid
     python -m flows.sweep --grid '{"train.strategy": ["d_first_detach", "g_first_detach"]}' \\
-        --base '{"train.kimg": 1}' --name tiny --parallel 2
+        --base '{"train.kimg": 1}' --name tiny
+
+The experiments run on the workers of the server named by ``PREFECT_API_URL`` (``make serve``,
+``make worker GPU=N``); without workers they wait, Scheduled.
 """
 
 from __future__ import annotations
@@ -22,19 +28,26 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
-import platform
 import re
+import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.client.orchestration import SyncPrefectClient, get_client
+from prefect.client.schemas.objects import FlowRun
+from prefect.deployments import run_deployment
+from prefect.runtime import flow_run as this_flow_run
+from prefect.runtime import task_run as this_task_run
+from prefect.states import Cancelled, Cancelling
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows import checkout, report
-from flows.pipeline import check_overrides, pipeline, retry_only_transient, run_logger
+from flows.deploy import EXPERIMENT
+from flows.pipeline import check_overrides, retry_only_transient, run_logger
 from ganpipe.params import ParamsError
 
 #: The question this project started from: which update strategy, at which precision.
@@ -90,10 +103,97 @@ def validate_runs(
     return valid
 
 
+#: Seconds between two looks at an experiment run's state.
+POLL_S = 1.0
+
+#: Experiment name -> its latest flow run, of this process's sweep (cancelled with it).
+_started: dict[str, Any] = {}
+_lock = threading.Lock()
+#: Set when the sweep is being cancelled: waiting stops, new runs are cancelled at once.
+_stopping = threading.Event()
+
+
+def cancel_experiments() -> list[str]:
+    """Cancel every experiment run this sweep started and that has not ended; return them.
+
+    A run still waiting for a worker is cancelled outright; one that a worker took is set
+    Cancelling, and its worker kills its process (whose stages die with it).
+    """
+    _stopping.set()
+    with _lock:
+        started = dict(_started)
+    cancelled = []
+    with get_client(sync_client=True) as client:
+        for name, run_id in started.items():
+            state = client.read_flow_run(run_id).state
+            if state is None or state.is_final():
+                continue
+            waiting = state.is_scheduled()
+            client.set_flow_run_state(run_id, Cancelled() if waiting else Cancelling(), force=True)
+            cancelled.append(name)
+    return cancelled
+
+
+def experiment_result(client: SyncPrefectClient, run: FlowRun) -> dict[str, Any]:
+    """What a finished experiment run published (its ``pipeline-metrics`` table, read through
+    the API whichever machine ran it): metrics by file, where it ran, its time span."""
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+    )
+
+    found = client.read_artifacts(
+        artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]),
+            key=ArtifactFilterKey(any_=["pipeline-metrics"]),
+        )
+    )
+    rows = json.loads(found[0].data) if found else []
+    metrics: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        if row["kind"] == "metric":
+            metrics.setdefault(row["source"], {})[row["key"]] = row["value"]
+    return {
+        "metrics_files": metrics,
+        "ran_on": {row["key"]: row["value"] for row in rows if row["kind"] == "run"},
+        "flow_run": str(run.id),
+        "started": run.start_time.isoformat() if run.start_time else None,
+        "ended": run.end_time.isoformat() if run.end_time else None,
+    }
+
+
 @task(retry_condition_fn=retry_only_transient)
-def run_point(name: str, overrides: dict[str, Any], commit: str) -> dict[str, Any]:
-    """One experiment of the sweep: the pipeline flow as a subflow run of its own."""
-    return pipeline.with_options(flow_run_name=name)(overrides, name, commit, stage_retries=0)
+def run_point(name: str, overrides: dict[str, Any], commit: str, key: str) -> dict[str, Any]:
+    """One experiment of the sweep: a run of the experiment deployment, waited for.
+
+    The idempotency key (sweep run, experiment, attempt) makes a repeated call return the
+    run already made instead of a second one.
+
+    Raises:
+        ExperimentFailed: the run failed, crashed or was cancelled (``transient`` says
+            whether a retry may help).
+    """
+    attempt = this_task_run.run_count or 1
+    run = run_deployment(
+        EXPERIMENT,
+        parameters={"overrides": overrides, "exp_name": name, "commit": commit, "stage_retries": 0},
+        flow_run_name=name,
+        timeout=0,
+        idempotency_key=f"{key}:{name}:{attempt}",
+    )
+    with _lock:
+        _started[name] = run.id
+    if _stopping.is_set():  # the sweep was cancelled while this run was being created
+        cancel_experiments()
+    with get_client(sync_client=True) as client:
+        while not (run := client.read_flow_run(run.id)).state.is_final():
+            if _stopping.wait(POLL_S):
+                raise checkout.ExperimentFailed(name, "cancelled", "the sweep was cancelled")
+        if run.state.is_completed():
+            return experiment_result(client, run)
+    message = (run.state.message or "").removeprefix("Flow run encountered an exception: ")
+    raise checkout.ExperimentFailed(name, run.state.type.value.lower(), message)
 
 
 def report_file(project: Path, report_path: str) -> Path:
@@ -121,7 +221,7 @@ def publish_report(
     context: dict[str, Any],
 ) -> dict[str, Any]:
     """Write the report (markdown, PNG plot, JSON) and publish it as Prefect artifacts."""
-    failed = [n for n, exp in found.items() if exp.get("state") == "failed"]
+    failed = [n for n, exp in found.items() if exp.get("state") != "success"]
     runs = report.collect_runs(planned, found, metric)
     keys = list(next(iter(planned.values())))
     group_keys = [k for k in keys if k not in REPEAT_KEYS]
@@ -147,6 +247,14 @@ def publish_report(
             metric: r.metric,
             **{report.PERF_TITLES[k]: r.perf.get(k) for k in perf},
             "state": r.state,
+            "worker": (found.get(r.name, {}).get("ran_on") or {}).get("worker"),
+            "cuda_visible_devices": (found.get(r.name, {}).get("ran_on") or {}).get(
+                "cuda_visible_devices"
+            ),
+            "host": (found.get(r.name, {}).get("ran_on") or {}).get("host"),
+            "started": found.get(r.name, {}).get("started"),
+            "ended": found.get(r.name, {}).get("ended"),
+            "error": r.error,
         }
         for i, r in enumerate(ranked, 1)
     ]
@@ -169,7 +277,7 @@ def sweep(
     metric: str = "fid",
     higher_is_better: bool = False,
     sweep_name: str | None = None,
-    parallel: int = 1,
+    parallel: int = 0,
     retries: int = 0,
     report_path: str = "reports/sweep.md",
 ) -> dict[str, Any]:
@@ -189,8 +297,8 @@ def sweep(
     log = run_logger()
     project = checkout.PROJECT_ROOT
     md_path = report_file(project, report_path)
-    if parallel < 1:
-        raise ValueError(f"parallel={parallel}: run at least 1 experiment at a time")
+    if parallel < 0:
+        raise ValueError(f"parallel={parallel}: give 0 (all at once) or a positive number")
     grid = DEFAULT_GRID if grid is None else grid
     base = DEFAULT_BASE if base is None else base
     sweep_name = sweep_name or time.strftime("sweep-%Y%m%d-%H%M%S")
@@ -198,19 +306,20 @@ def sweep(
     planned = plan_runs(grid, base, sweep_name)
     overrides = validate_runs(str(project), commit, planned, base)
     log.info(
-        "sweep %s: %d experiments at %s, %d at a time",
+        "sweep %s: %d experiments at %s on the work pool's workers",
         sweep_name,
         len(planned),
         commit[:7],
-        parallel,
     )
+    key = str(this_flow_run.id or uuid.uuid4())
     found: dict[str, dict[str, Any]] = {}
-    with ThreadPoolTaskRunner(max_workers=parallel) as runner:
+    _stopping.clear()
+    with ThreadPoolTaskRunner(max_workers=parallel or len(overrides)) as runner:
         point = run_point.with_options(retries=retries)
         futures = {
             name: runner.submit(
                 point.with_options(task_run_name=f"experiment {name}"),
-                {"name": name, "overrides": values, "commit": commit},
+                {"name": name, "overrides": values, "commit": commit, "key": key},
             )
             for name, values in overrides.items()
         }
@@ -221,28 +330,32 @@ def sweep(
                     # handler (the runner cancelling this run) raise until it returned.
                     future.wait(timeout=1)
                 if future.state.is_completed():
-                    metrics = future.result()["metrics_files"]
-                    found[name] = {"metrics": metrics, "state": "success"}
+                    result = future.result()
+                    found[name] = {
+                        "metrics": result["metrics_files"],
+                        "state": "success",
+                        **{k: result[k] for k in ("ran_on", "flow_run", "started", "ended")},
+                    }
                 else:
                     error = future.state.result(raise_on_failure=False)
                     found[name] = {
-                        "state": "failed",
+                        "state": getattr(error, "state", "failed"),
                         "error": (str(error) or repr(error)).splitlines()[0],
                     }
         except BaseException as exc:
-            # Cancelled (SIGTERM from the runner): stop every experiment now, before the
+            # Cancelled (the worker's SIGTERM): cancel every experiment run now, before the
             # task runner waits for its threads on the way out.
             if not isinstance(exc, Exception):
                 for future in futures.values():
                     future.wrapped_future.cancel()  # those waiting for a thread never start
-                checkout.kill_children()
+                log.info("sweep cancelled: cancelling %s", ", ".join(cancel_experiments()))
             raise
     context = {
         "sweep": f"`{sweep_name}`, {time.strftime('%Y-%m-%d %H:%M')}",
         "project commit": f"`{commit[:7]}` (every experiment starts from it)",
         "grid": f"`{json.dumps(grid)}`",
         "shared overrides": f"`{json.dumps(base)}`",
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {parallel} at a time",
+        "where": "the workers of work pool `ganpipe` (column *ran on*)",
         "experiments": "`dvc exp show`; `dvc exp apply NAME` restores one in the workspace",
     }
     result = publish_report(planned, found, metric, higher_is_better, str(md_path), context)
@@ -261,7 +374,9 @@ def main() -> None:
     parser.add_argument("--metric", default="fid")
     parser.add_argument("--higher-is-better", action="store_true")
     parser.add_argument("--name", dest="sweep_name", default=None)
-    parser.add_argument("--parallel", type=int, default=1, help="experiments at once")
+    parser.add_argument(
+        "--parallel", type=int, default=0, help="most unfinished experiment runs (0: all)"
+    )
     parser.add_argument("--retries", type=int, default=0, help="attempts after a killed run")
     parser.add_argument("--report", dest="report_path", default="reports/sweep.md")
     sweep(**vars(parser.parse_args()))

@@ -1,8 +1,8 @@
 """The Prefect flows for real: a local server with credentials on a free loopback port, the
-deployments served from a temporary clone (what ``make serve`` starts), real git worktrees
-and DVC runs with tiny params.
+deployments of a temporary clone on its process work pool with one local worker (and the
+sweeps' worker: what ``make serve`` starts), real git worktrees and DVC runs with tiny params.
 
-One server and one serve process for the module; the tests run in file order. Every flow
+One server and its workers for the module; the tests run in file order. Every flow
 run works in a checkout of its own, so the clone's workspace must stay byte-identical
 through all of them (checked by the last test).
 """
@@ -26,13 +26,13 @@ import pytest
 import yaml
 from PIL import Image
 
-from flows import checkout, service
+from flows import checkout, deploy, service
 from tests.e2e.conftest import TINY, copy_project
 from tests.helpers import experiments, sh
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("served")]
 
-PIPELINE, SWEEP = "ganpipe-pipeline/local", "ganpipe-sweep/local"
+PIPELINE, EXPERIMENT, SWEEP = deploy.PIPELINE, deploy.EXPERIMENT, deploy.SWEEP
 INTERVAL_S = 5
 #: How long no scheduled run may be unfinished before the schedule counts as stopped
 #: (longer than the runner takes to pick up a due run).
@@ -63,14 +63,17 @@ def workspace_before(project) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def served(project, workspace_before, tmp_path_factory):
-    """Server + served deployments (pipeline every INTERVAL_S seconds), stopped at the end."""
+    """Server + deployments (pipeline every INTERVAL_S seconds) + the local worker (two runs
+    at a time, so that a sweep's experiments can overlap) + the sweeps' worker, stopped at
+    the end."""
     state_dir = tmp_path_factory.mktemp("state")
     env = service.start(
         state_dir,
         service.free_port(),
         ["--pipeline", str(INTERVAL_S), "--sweep", "off"],
-        extra_env={"PREFECT_RUNNER_POLL_FREQUENCY": "1"},
+        extra_env={"PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "1"},
         project=project,
+        limit=2,
     )
     try:
         yield env, state_dir
@@ -206,7 +209,7 @@ def test_the_server_wants_credentials_listens_on_loopback_and_takes_no_paths(ser
     assert listening == [f"0100007F:{port:04X}"]
 
     with client(env) as c:
-        for name in (PIPELINE, SWEEP):
+        for name in (PIPELINE, EXPERIMENT, SWEEP):
             schema = c.read_deployment_by_name(name).parameter_openapi_schema["properties"]
             assert not {"project_dir", "project"} & set(schema), name
     from prefect.exceptions import PrefectHTTPStatusError
@@ -215,7 +218,8 @@ def test_the_server_wants_credentials_listens_on_loopback_and_takes_no_paths(ser
         start_run(env, PIPELINE, {"project_dir": "/tmp"})
     assert refused.value.response.status_code == 409
     with client(env) as c:
-        assert not c.read_flow_runs()  # nothing was created
+        # nothing was created (the schedule's own runs aside: its scheduler may have run)
+        assert not [r for r in c.read_flow_runs() if not r.auto_scheduled]
 
 
 def test_scheduled_runs_are_experiments_with_artifacts_and_are_listed(
@@ -415,6 +419,9 @@ def test_sweep_runs_in_parallel_retries_a_killed_experiment_and_ranks(served, pr
     assert any(b[0] < a[1] for a, b in itertools.pairwise(spans)), spans  # two ran at once
     assert "exited with -9" in logs(env, run.id)
     result = json.loads((project / "reports/tiny.json").read_text())
+    # ... as flow runs of their own on the worker: their recorded time spans overlap
+    runs = sorted((r["started"], r["ended"]) for r in result["runs"])
+    assert any(b[0] < a[1] for a, b in itertools.pairwise(runs)), runs
     assert len(result["runs"]) == 4 and {r["state"] for r in result["runs"]} == {"success"}
     losses = [row["loss.d"] for row in result["runs"]]
     assert losses == sorted(losses) and all(isinstance(v, float) for v in losses)
@@ -476,9 +483,12 @@ def test_stop_stops_what_start_started_and_the_workspace_never_changed(
     served, project, workspace_before
 ):
     env, state_dir = served
-    pids = [int((state_dir / "flows-serve.pid").read_text())]
+    workers = sorted((state_dir / service.WORKERS).glob("*.pid"))
+    pids = [int(path.read_text()) for path in workers]
     pids.append(int((state_dir / "prefect" / "server.pid").read_text()))
-    assert sorted(service.stop(state_dir)) == ["flows-serve", "prefect-server"]
+    names = sorted(f"worker {path.stem}" for path in workers)
+    assert len(names) == 2  # the local experiments worker and the sweeps' worker
+    assert sorted(service.stop(state_dir)) == ["prefect-server", *names]
     for pid in pids:
         assert service.gone(pid)
     port = int(env["PREFECT_API_URL"].rsplit(":", 1)[1].split("/")[0])

@@ -18,8 +18,8 @@ from ruamel.yaml import YAML
 
 from flows import checkout, report, service, sweep
 from flows.checkout import DvcCommandError
+from flows.deploy import parse_schedule
 from flows.pipeline import _parse_set, retry_only_transient
-from flows.serve import parse_schedule
 from flows.sweep import DEFAULT_GRID, plan_runs, validate_runs
 from ganpipe.params import ParamsError, read_yaml
 from tests.conftest import REPO
