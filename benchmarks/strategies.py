@@ -12,7 +12,7 @@ Part 1b times the three strategies against each other step by step in one proces
 (64x64x3, widths 64), which shows their differences through this machine's noise.
 
     python -m benchmarks.strategies [--runs 3] [--steps 30] [--paired-steps 20]
-        [--reference-steps 16] [--only strategies|paired|versus]
+        [--reference-steps 16] [--only strategies|paired|versus] [--arch dcgan|resnet]
 
 Writes benchmarks/results/strategies.json and prints markdown tables.
 """
@@ -115,10 +115,10 @@ def run_config(config: dict) -> dict:
     }
 
 
-def part1(runs: int, steps: int, threads: int) -> list[dict]:
+def part1(runs: int, steps: int, threads: int, archs=("dcgan", "resnet")) -> list[dict]:
     configs = [
         {"arch": a, "strategy": s, "precision": p, "checkpointing": False, "size": 32}
-        for a in ("dcgan", "resnet")
+        for a in archs
         for s in STRATEGY_NAMES
         for p in ("fp32", "bf16", "fp16")
     ] + [  # activation memory only stands out of the allocator's noise at 64 px, widths 64
@@ -130,6 +130,7 @@ def part1(runs: int, steps: int, threads: int) -> list[dict]:
             "size": 64,
         }
         for c in (False, True)
+        if "dcgan" in archs
     ]
     for config in configs:
         # fp16 autocast is ~20x slower on CPU, and 64 px ~20x heavier: fewer steps.
@@ -422,6 +423,11 @@ def main() -> None:
         choices=["strategies", "paired", "versus"],
         help="run one part and update that part of the existing results",
     )
+    parser.add_argument(
+        "--arch",
+        choices=["dcgan", "resnet"],
+        help="time this family's rows only and keep the other family's from the results",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -431,7 +437,12 @@ def main() -> None:
 
     previous = json.loads(args.out.read_text()) if args.only and args.out.exists() else {}
     wanted = {args.only} if args.only else {"strategies", "paired", "versus"}
-    if "strategies" in wanted:
+    if "strategies" in wanted and args.arch:
+        kept = [
+            r for r in previous.get("configurations", []) if r.get("arch", "dcgan") != args.arch
+        ]
+        rows = kept + part1(args.runs, args.steps, args.threads, (args.arch,))
+    elif "strategies" in wanted:
         rows = part1(args.runs, args.steps, args.threads)
     else:
         rows = previous["configurations"]

@@ -23,6 +23,7 @@ HEADLINES = {
         f"{d['versus_reference']['throughput_ratio_median']:.2f}×"
     ),
     "benchmarks/results/ddp.json": lambda d: f"{d['scaling_efficiency_median']:.2f}",
+    "benchmarks/results/conditional.json": lambda d: f"{d['metrics']['class_accuracy']:.1%}",
 }
 
 
