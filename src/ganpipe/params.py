@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import stat
 from collections.abc import Mapping
 from pathlib import Path
@@ -81,6 +82,11 @@ class ParamsError(ValueError):
         lines = [f"{source}: {len(problems)} problem(s) in params:"]
         lines += [f"  - {key}: {message}" for key, message in problems]
         super().__init__("\n".join(lines))
+
+
+def _list_to_policy(value: Any) -> Any:
+    # train.augment as a YAML list: [color, translation] is color+translation.
+    return "+".join(map(str, value)) if isinstance(value, list) and value else value
 
 
 def _list_to_tuple(value: Any) -> Any:
@@ -381,11 +387,12 @@ class TrainParams(_Section):
     """Hold the training set on the training device as uint8 (read once; each batch is then
     gathered by index from the same permutation, no DataLoader) when it takes at most this
     many MiB; 0 always reads through the DataLoader. The batches are the same either way."""
-    augment: str = Field("none", max_length=64)
+    augment: Annotated[str, BeforeValidator(_list_to_policy)] = Field("none", max_length=64)
     """Differentiable augmentation of every image D sees, real and generated, in every pass
-    (DiffAugment, Zhao et al. 2020): none, or a comma-separated policy of color,
-    translation and cutout (e.g. color,translation,cutout, DiffAugment's choice for small
-    data). Random numbers derive from the seed and the batch: runs stay reproducible."""
+    (DiffAugment, Zhao et al. 2020): none, or operations of color, translation and cutout
+    joined by + (e.g. color+translation+cutout, DiffAugment's choice for small data; a YAML
+    list or commas are accepted too, but `dvc exp run -S` reads a comma as a sweep). Random
+    numbers derive from the seed and the batch: runs stay reproducible."""
     augment_p: float = Field(1.0, ge=0.0, le=1.0)
     """Probability that an image is augmented (ADA's strength p; DiffAugment uses 1)."""
 
@@ -394,19 +401,19 @@ class TrainParams(_Section):
     def _known_policy(cls, value: str) -> str:
         if value == "none":
             return value
-        names = [name.strip() for name in value.split(",")]
+        names = [name.strip() for name in re.split(r"[,+]", value)]
         unknown = [name for name in names if name not in AUGMENT_POLICIES]
         if unknown or len(set(names)) != len(names):
             raise ValueError(
-                f"train.augment={value!r}: use none or a comma-separated list of "
-                f"{', '.join(AUGMENT_POLICIES)} without repeats (e.g. color,translation,cutout)"
+                f"train.augment={value!r}: use none or {', '.join(AUGMENT_POLICIES)} joined by +, "
+                "without repeats (e.g. color+translation+cutout)"
             )
-        return ",".join(names)
+        return "+".join(names)
 
     @property
     def augment_policy(self) -> tuple[str, ...]:
         """The augmentation operations in order; empty for none."""
-        return () if self.augment == "none" else tuple(self.augment.split(","))
+        return () if self.augment == "none" else tuple(self.augment.split("+"))
 
 
 class GenerateParams(_Section):

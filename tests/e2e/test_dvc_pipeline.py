@@ -94,7 +94,7 @@ def test_experiments_for_every_strategy_and_loss(built):
             "c-resnet",
             [
                 *("-S", "model.arch=resnet", "-S", "model.conditional=true"),
-                *("-S", "train.augment=color,translation,cutout"),
+                *("-S", "train.augment=color+translation+cutout"),
             ],
         ),
     ]

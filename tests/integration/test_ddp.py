@@ -116,7 +116,7 @@ def max_difference(a, b) -> float:
             )
         ],
         # each rank augments its share of the global batch with that share's draws
-        ("g_first_detach", 2, "color,translation,cutout", "resnet"),
+        ("g_first_detach", 2, "color+translation+cutout", "resnet"),
     ],
 )
 def test_two_processes_equal_one_process_with_the_whole_batch(

@@ -557,7 +557,7 @@ def test_a_resumed_run_writes_the_whole_log_again(tmp_path, data_dir):
 def test_an_augmented_run_resumes_to_the_same_bytes(tmp_path, data_dir):
     """The augmentation draws are functions of the seed and the batch: a run interrupted
     and resumed augments every batch as the uninterrupted run does."""
-    raw = {**RUN, "train": {**RUN["train"], "kimg": 0.64, "augment": "color,translation,cutout"}}
+    raw = {**RUN, "train": {**RUN["train"], "kimg": 0.64, "augment": "color+translation+cutout"}}
     params = parse_params(raw)
     dataset = LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True)
     whole = loop.train(params, dataset, torch.device("cpu"), progress=False, run_dir=tmp_path / "a")

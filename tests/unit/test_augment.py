@@ -169,7 +169,7 @@ def test_micro_batches_keep_each_image_s_draws(name):
 
 @pytest.mark.parametrize(
     ("value", "message"),
-    [("flip", "train.augment='flip'"), ("color,color", "without repeats"), ("", "train.augment")],
+    [("flip", "train.augment='flip'"), ("color+color", "without repeats"), ("", "train.augment")],
 )
 def test_an_unknown_policy_names_the_key(value, message):
     with pytest.raises(ValueError, match=message):
@@ -178,5 +178,6 @@ def test_an_unknown_policy_names_the_key(value, message):
 
 def test_a_policy_is_normalised():
     params = parse_params({"train": {"augment": "cutout, color"}})
-    assert params.train.augment == "cutout,color"
+    assert params.train.augment == "cutout+color"
+    assert parse_params({"train": {"augment": ["color", "cutout"]}}).train.augment == "color+cutout"
     assert params.train.augment_policy == ("cutout", "color")
