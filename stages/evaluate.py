@@ -92,7 +92,8 @@ def evaluate(params: Params) -> None:
                 progress=context.is_main,
                 num_classes=num_classes,
             )
-            return torch.cat(context.gather_objects(local)) if context.is_main else local
+            shards = context.gather_objects(local)  # a collective: every rank calls it
+            return torch.cat(shards) if context.is_main else local
 
         fake = features(extractor)
         classifier = classified = None
