@@ -9,6 +9,7 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import struct
 
 import numpy as np
@@ -487,3 +488,32 @@ def test_a_large_database_is_announced_with_its_size_and_the_free_space(
     assert "free there now" in announced[0]
     written = sum(f.stat().st_size for f in (tmp_path / "out").rglob("*.mdb"))
     assert written <= 2 * 1_232_896  # the estimate is of the right size (data.mdb files)
+
+
+def _decode_with_default_sigterm(item, image_size, channels):
+    """prepare's per-item work, in a decoding worker, refusing a non-default SIGTERM."""
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        raise RuntimeError("a decoding worker kept its parent's SIGTERM handler")
+    return _REAL_DECODE(item, image_size, channels)
+
+
+_REAL_DECODE = prepare._decode_or_reason
+
+
+@pytest.mark.timeout(120)
+def test_decoding_workers_die_at_sigterm_whatever_the_parent_handles(tmp_path, monkeypatch):
+    """A process with a Python SIGTERM handler (a stage's stop request only sets a flag) forks
+    the decoding pool: its workers must still die at the SIGTERM with which the pool's exit
+    ends them, or the exit can wait forever for one blocked on the task queue's lock (a hang
+    seen in CI after an earlier test left such a handler installed)."""
+    for i in range(40):
+        random_image(tmp_path / "imgs" / f"class{i % 2}" / f"{i:03d}.png", seed=i, size=(13, 11))
+    monkeypatch.setattr(prepare, "PARALLEL_MIN_FILES", 1)
+    monkeypatch.setattr(prepare, "_decode_or_reason", _decode_with_default_sigterm)
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        data = DataParams(source="folder", path="imgs", image_size=8, channels=3)
+        prepare_dataset(data, 0, tmp_path / "out", root=tmp_path, workers=2, progress=False)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert (tmp_path / "out" / "train.lmdb" / "data.mdb").exists()

@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -90,14 +91,22 @@ def _decode_or_reason(item, image_size: int, channels: int):
         return None, exc.reason
 
 
+def _default_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _decoded(listing: Listing, image_size: int, channels: int, workers: int) -> Iterator:
     """Yield ``(pixels or None, reason)`` per item, in listing order."""
     items = zip(listing.names, listing.payloads, strict=True)
     work = partial(_decode_or_reason, image_size=image_size, channels=channels)
     files = sum(1 for p in listing.payloads if isinstance(p, Path))
     if workers > 1 and files >= PARALLEL_MIN_FILES:
-        # fork: workers only need Pillow and numpy, and start in milliseconds.
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
+        # fork: workers only need Pillow and numpy, and start in milliseconds. They start
+        # with the default SIGTERM action: a forked worker inherits the parent's Python
+        # handlers (a stage's stop request only sets a flag), and Pool's exit, which
+        # terminates its workers with SIGTERM, then waited forever for one blocked on its queue.
+        context = multiprocessing.get_context("fork")
+        with context.Pool(workers, initializer=_default_sigterm) as pool:
             yield from pool.imap(work, items, chunksize=32)
     else:
         yield from map(work, items)
