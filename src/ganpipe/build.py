@@ -11,6 +11,7 @@ from ganpipe import dist, runtime
 from ganpipe.augment import Augment
 from ganpipe.dist import DistContext
 from ganpipe.ema import EmaGenerator
+from ganpipe.featurenet import classes_for
 from ganpipe.losses import build_loss
 from ganpipe.nets import build_models
 from ganpipe.params import Params, TrainParams
@@ -32,15 +33,14 @@ def conditional_classes(params: Params, dataset: Dataset) -> int | None:
     """
     if not params.model.conditional:
         return None
-    counts = dataset.class_counts()
-    present = [label for label, count in enumerate(counts) if count > 0]
-    if len(present) < 2:
+    classes = classes_for(dataset.class_counts())  # the feature network's rule: one source
+    if classes < 2:
         raise ValueError(
             f"model.conditional=true needs at least 2 classes, but the training set has "
-            f"{len(present)}; set model.conditional false, or use labelled data (data.source "
+            f"{classes}; set model.conditional false, or use labelled data (data.source "
             "folder with one subfolder per class, digits, mnist or cifar10)"
         )
-    return present[-1] + 1
+    return classes
 
 
 def build_gan(
