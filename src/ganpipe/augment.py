@@ -67,6 +67,31 @@ class Augment:
             return torch.where(apply, out, x)
 
 
+class AdaptiveP:
+    """ADA's tuning of the strength ``p`` (Karras et al. 2020), once per iteration.
+
+    ``r_t``, the mean of ``sign(D(x))`` over the iteration's real images on all ranks, tells
+    how sure D is of the reals: near 1 it has memorised them. After each iteration
+    ``p += sign(r_t - target) * step`` (clamped to [0, 1]), ``step`` being the iteration's
+    images over ``train.augment_speed_kimg`` thousand. ``r_t`` is compared as an exact
+    count: each rank's sum of signs is an integer, summed over ranks by one small
+    all-reduce, so any world size, micro-batch split or restart takes the same decisions.
+    Nothing is read back to the host: ``p`` stays on the device.
+    """
+
+    def __init__(self, p: torch.Tensor, target: float, step: float, reals: int, per_rank: int):
+        self.p, self.target, self.step = p, target, step
+        self.reals, self.per_rank = reals, per_rank
+
+    def update(self, real_sign: torch.Tensor, all_sum) -> None:
+        """Move ``p`` after an iteration whose reals on this rank had mean sign ``real_sign``
+        (``all_sum`` sums a tensor over ranks)."""
+        # The mean of per_rank values of ±1 (or 0) times per_rank, rounded: their exact sum.
+        signs = all_sum(torch.round(real_sign.float() * self.per_rank))
+        direction = torch.sign(signs - self.target * self.reals)
+        self.p.copy_((self.p + direction * self.step).clamp(0.0, 1.0))
+
+
 def _per_image(u: torch.Tensor) -> torch.Tensor:
     return u.view(-1, 1, 1, 1)
 

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ganpipe import dist, runtime
-from ganpipe.augment import Augment
+from ganpipe.augment import AdaptiveP, Augment
 from ganpipe.dist import DistContext
 from ganpipe.ema import EmaGenerator
 from ganpipe.featurenet import classes_for
@@ -86,3 +86,13 @@ def build_gan(
         else None,
     )
     return gan, g_ema
+
+
+def adaptive_p(params: Params, gan: Gan, context: DistContext) -> AdaptiveP | None:
+    """ADA's tuner of ``gan.augment.p`` (train.augment_target), or None when p is fixed."""
+    cfg = params.train
+    if cfg.augment_target is None or gan.augment is None:
+        return None
+    step = cfg.batch_size * cfg.n_critic / (cfg.augment_speed_kimg * 1000)
+    per_rank = cfg.batch_size // context.world_size
+    return AdaptiveP(gan.augment.p, cfg.augment_target, step, cfg.batch_size, per_rank)

@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from ganpipe import dist, runstate
-from ganpipe.build import build_gan, conditional_classes
+from ganpipe.build import adaptive_p, build_gan, conditional_classes
 from ganpipe.dist import DistContext
 from ganpipe.ema import EmaGenerator
 from ganpipe.params import Params
@@ -98,6 +98,7 @@ def train(
         )
     num_classes = conditional_classes(params, dataset)
     gan, g_ema = build_gan(params, context, num_classes)
+    ada = adaptive_p(params, gan, context)
     logger = logger if context.is_main else None
     run, resumed = runstate.Progress(), None
     if run_dir is not None:
@@ -146,6 +147,8 @@ def train(
     with bar:
         for it in range(start, iterations):
             stats = strategy(gan, stream.next(it))
+            if ada is not None:
+                ada.update(stats["d/real_sign"], context.all_sum)
             g_ema.update(dist.unwrap(gan.g), per_iteration)
             meter.add(it, stats)
             bar.update(per_iteration)

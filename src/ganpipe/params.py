@@ -394,7 +394,16 @@ class TrainParams(_Section):
     list or commas are accepted too, but `dvc exp run -S` reads a comma as a sweep). Random
     numbers derive from the seed and the batch: runs stay reproducible."""
     augment_p: float = Field(1.0, ge=0.0, le=1.0)
-    """Probability that an image is augmented (ADA's strength p; DiffAugment uses 1)."""
+    """Probability that an image is augmented (ADA's strength p; DiffAugment uses 1); with
+    augment_target, the p training starts from."""
+    augment_target: float | None = Field(None, gt=0.0, lt=1.0)
+    """Adaptive strength (ADA, Karras et al. 2020): null keeps augment_p fixed; a target for
+    r_t, the mean sign of D's outputs on the real images of each iteration (ADA uses 0.6),
+    makes p rise while r_t is above it (D sure of the reals: it is memorising them) and fall
+    while below. p and r_t are logged as augment/p and d/real_sign."""
+    augment_speed_kimg: float = Field(100.0, gt=0, le=MAX_KIMG)
+    """Adaptive strength: p moves by at most 1 per this many kimg (ADA uses 500 on runs of
+    tens of thousands of kimg)."""
 
     @field_validator("augment")
     @classmethod
@@ -409,6 +418,16 @@ class TrainParams(_Section):
                 "without repeats (e.g. color+translation+cutout)"
             )
         return "+".join(names)
+
+    @model_validator(mode="after")
+    def _adaptive_needs_a_policy(self) -> TrainParams:
+        if self.augment_target is not None and self.augment == "none":
+            raise ValueError(
+                f"train.augment_target={self.augment_target} tunes the strength of "
+                "train.augment, which is none; set train.augment (e.g. "
+                "color+translation+cutout) or augment_target null"
+            )
+        return self
 
     @property
     def augment_policy(self) -> tuple[str, ...]:

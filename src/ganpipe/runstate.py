@@ -51,6 +51,7 @@ RESUME_KEYS = {
     "scaler_g",
     "scaler_d",
     "skipped_steps",
+    "augment_p",
     "rng",
     "log",
     "unlogged",
@@ -98,6 +99,8 @@ def resume(
     gan.scaler_g.load_state_dict(state["scaler_g"])
     gan.scaler_d.load_state_dict(state["scaler_d"])
     gan.skipped.update(state["skipped_steps"])
+    if gan.augment is not None and state["augment_p"] is not None:
+        gan.augment.p.copy_(state["augment_p"])  # tuned by train.augment_target
     runtime.set_rng_state(state["rng"][context.rank])
     log.info("resumed from %s (%d images seen)", state["path"], state["images_seen"])
     mine = state["unlogged"]["sums"][context.rank]
@@ -175,6 +178,7 @@ def save(
             "images_seen": images_seen,
             "data": data,
             "skipped_steps": gan.skipped_steps(),
+            "augment_p": None if gan.augment is None else gan.augment.p.detach().cpu().clone(),
             "g": dist.unwrap(gan.g).state_dict(),
             "d": dist.unwrap(gan.d).state_dict(),
             "g_ema": g_ema.state_dict(),

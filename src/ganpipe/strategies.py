@@ -190,6 +190,10 @@ class _Record:
     def mean_score(self, which: int, per_micro: int) -> torch.Tensor:
         return torch.cat([s.flatten() for s in self.scores[which::per_micro]]).mean()
 
+    def mean_sign(self, which: int, per_micro: int) -> torch.Tensor:
+        """The mean of ``sign(score)``: ADA's ``r_t`` on the reals (1: D sure of all)."""
+        return torch.cat([s.flatten() for s in self.scores[which::per_micro]]).sign().mean()
+
 
 def _stats(d: _Record, g: _Record, norm_d, norm_g) -> Stats:
     return {
@@ -197,6 +201,7 @@ def _stats(d: _Record, g: _Record, norm_d, norm_g) -> Stats:
         "loss/g": g.loss,
         "d/real": d.mean_score(0, 2),
         "d/fake": d.mean_score(1, 2),
+        "d/real_sign": d.mean_sign(0, 2),
         "grad_norm/d": norm_d.detach(),
         "grad_norm/g": norm_g.detach(),
     }

@@ -80,6 +80,8 @@ class Meter:
         means["kimg"] = images_seen / 1000
         means["lr/g"] = gan.opt_g.param_groups[0]["lr"]
         means["lr/d"] = gan.opt_d.param_groups[0]["lr"]
+        if gan.augment is not None:
+            means["augment/p"] = gan.augment.p.item()
         if gan.scaler_g.is_enabled():
             skipped = gan.skipped_steps()
             for net, scaler in (("g", gan.scaler_g), ("d", gan.scaler_d)):

@@ -115,7 +115,8 @@ def max_difference(a, b) -> float:
                 ("d_first_detach", 2),
             )
         ],
-        # each rank augments its share of the global batch with that share's draws
+        # each rank augments its share of the global batch with that share's draws, and
+        # ADA's p moves by the signs counted over both ranks
         ("g_first_detach", 2, "color+translation+cutout", "resnet"),
     ],
 )
@@ -128,13 +129,14 @@ def test_two_processes_equal_one_process_with_the_whole_batch(
     data = data_dir32 if arch == "resnet" else data_dir
     model = {**TINY["model"], **family.get("model", {})}
     sections = {"data": family.get("data", {}), "model": model}
-    one = project(
-        tmp_path / "one", data, train={"strategy": strategy, "augment": policy}, **sections
-    )
+    augmented = {"augment": policy}
+    if policy != "none":
+        augmented.update(augment_p=0.5, augment_target=0.6, augment_speed_kimg=1)
+    one = project(tmp_path / "one", data, train={"strategy": strategy, **augmented}, **sections)
     two = project(
         tmp_path / "two",
         data,
-        train={"strategy": strategy, "grad_accum": accum, "augment": policy},
+        train={"strategy": strategy, "grad_accum": accum, **augmented},
         devices={"nproc_per_node": 2},
         **sections,
     )
@@ -152,6 +154,11 @@ def test_two_processes_equal_one_process_with_the_whole_batch(
     ]
     for row_one, row_two in zip(*curves, strict=True):
         assert abs(float(row_one.split("\t")[1]) - float(row_two.split("\t")[1])) < 1e-5
+    if policy != "none":  # the same p at every record, to the bit
+        p_tsv = "metrics/train/plots/metrics/augment/p.tsv"
+        ps = [(root / p_tsv).read_text() for root in (one, two)]
+        values = {line.split("\t")[1] for line in ps[0].splitlines()[1:]}
+        assert ps[0] == ps[1] and len(values) > 1, ps
 
 
 def test_two_process_runs_are_bit_identical(tmp_path, data_dir):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import os
 import pickle
 import random
@@ -555,12 +556,23 @@ def test_a_resumed_run_writes_the_whole_log_again(tmp_path, data_dir):
 
 
 def test_an_augmented_run_resumes_to_the_same_bytes(tmp_path, data_dir):
-    """The augmentation draws are functions of the seed and the batch: a run interrupted
-    and resumed augments every batch as the uninterrupted run does."""
-    raw = {**RUN, "train": {**RUN["train"], "kimg": 0.64, "augment": "color+translation+cutout"}}
+    """The augmentation draws are functions of the seed and the batch, and ADA's p is part
+    of the checkpoint: a run interrupted and resumed augments every batch as the
+    uninterrupted run does, with the same p at every step."""
+    train = {
+        **RUN["train"],
+        "kimg": 0.64,
+        "log_every_kimg": 0.064,
+        "augment": "color+translation+cutout",
+        "augment_p": 0.5,
+        "augment_target": 0.6,
+        "augment_speed_kimg": 0.5,  # p moves by 32 / 500 per iteration
+    }
+    raw = {**RUN, "train": train}
     params = parse_params(raw)
     dataset = LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True)
-    whole = loop.train(params, dataset, torch.device("cpu"), progress=False, run_dir=tmp_path / "a")
+    log_whole = Recorder()
+    whole = loop.train(params, dataset, torch.device("cpu"), log_whole, False, tmp_path / "a")
     polls = {"n": 0}
 
     def stop_after_7() -> bool:
@@ -569,9 +581,10 @@ def test_an_augmented_run_resumes_to_the_same_bytes(tmp_path, data_dir):
 
     with pytest.raises(loop.TrainingInterrupted):
         loop.train(params, dataset, torch.device("cpu"), None, False, tmp_path / "b", stop_after_7)
-    resumed = loop.train(params, dataset, torch.device("cpu"), None, False, tmp_path / "b")
+    log_resumed = Recorder()
+    resumed = loop.train(params, dataset, torch.device("cpu"), log_resumed, False, tmp_path / "b")
     plain = loop.train(
-        parse_params({**raw, "train": {**raw["train"], "augment": "none"}}),
+        parse_params({**raw, "train": {**train, "augment": "none", "augment_target": None}}),
         dataset,
         torch.device("cpu"),
         progress=False,
@@ -579,6 +592,13 @@ def test_an_augmented_run_resumes_to_the_same_bytes(tmp_path, data_dir):
     for name in ("g", "d", "g_ema"):
         ours, theirs = getattr(whole, name).state_dict(), getattr(resumed, name).state_dict()
         assert all(torch.equal(ours[k], theirs[k]) for k in ours), name
+    assert without_measurements(log_resumed.scalars) == without_measurements(log_whole.scalars)
+    # p followed r_t down (D unsure at first) and up, by 32 / 500 per iteration, two
+    # iterations per record, clamped to [0, 1]
+    ps = [scalars["augment/p"] for _, scalars in log_whole.scalars]
+    assert min(ps) < 0.5 < max(ps), ps
+    moves = [round(abs(b - a) / (32 / 500), 3) for a, b in itertools.pairwise([0.5, *ps])]
+    assert all(m in (0, 1, 2) or p in (0, 1) for m, p in zip(moves, ps, strict=True)), ps
     d_plain = plain.d.state_dict()
     assert any(not torch.equal(v, d_plain[k]) for k, v in whole.d.state_dict().items())
 

@@ -336,6 +336,7 @@ LOGGED_KEYS = {
     "loss/d",
     "d/real",
     "d/fake",
+    "d/real_sign",
     "grad_norm/g",
     "grad_norm/d",
     "perf/images_per_s",

@@ -181,3 +181,47 @@ def test_a_policy_is_normalised():
     assert params.train.augment == "cutout+color"
     assert parse_params({"train": {"augment": ["color", "cutout"]}}).train.augment == "color+cutout"
     assert params.train.augment_policy == ("cutout", "color")
+
+
+def test_adaptive_p_by_hand():
+    """ADA: p += sign(r_t - target) * step, clamped to [0, 1]; r_t equal to the target
+    leaves p alone."""
+    p = torch.tensor(0.5)
+    ada = augment.AdaptiveP(p, target=0.6, step=0.25, reals=10, per_rank=10)
+
+    def same(t):  # all_sum of one process
+        return t
+
+    ada.update(torch.tensor(0.8), same)  # 8 of 10 reals scored positive: D too sure
+    assert p.item() == 0.75
+    ada.update(torch.tensor(0.6), same)  # exactly the target
+    assert p.item() == 0.75
+    ada.update(torch.tensor(1.0), same)
+    ada.update(torch.tensor(1.0), same)
+    assert p.item() == 1.0  # clamped
+    for _ in range(5):
+        ada.update(torch.tensor(-0.2), same)
+    assert p.item() == 0.0
+
+
+def test_adaptive_p_counts_signs_exactly_over_ranks():
+    """r_t is compared as a count summed over ranks: two ranks of 3 reals with mean signs
+    1/3 and 1 (a sum of 4, not a float mean) decide as one process of the 6."""
+    target = 2 / 3  # 6 * 2/3 = 4: the sum of signs 4 sits exactly on the target
+    one = torch.tensor(0.5)
+    augment.AdaptiveP(one, target, 0.125, reals=6, per_rank=6).update(
+        torch.tensor([1.0, 1, -1, 1, 1, 1]).sign().mean(), lambda t: t
+    )
+    two = torch.tensor(0.5)
+    other_rank = torch.tensor(3.0)  # the second rank's sum of signs: 1 + 1 + 1
+    augment.AdaptiveP(two, target, 0.125, reals=6, per_rank=3).update(
+        torch.tensor([1.0, 1, -1]).sign().mean(), lambda t: t + other_rank
+    )
+    assert one.item() == two.item() == 0.5  # on the target: no move, in both
+
+
+def test_adaptive_target_needs_a_policy():
+    with pytest.raises(ValueError, match=r"train.augment_target=0.6.*train.augment"):
+        parse_params({"train": {"augment_target": 0.6}})
+    params = parse_params({"train": {"augment": "translation", "augment_target": 0.6}})
+    assert params.train.augment_target == 0.6
