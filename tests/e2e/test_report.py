@@ -72,7 +72,10 @@ def project(tmp_path_factory) -> Path:
     node_modules = REPO / "reports/node_modules"
     if not node_modules.is_dir():
         pytest.fail(f"{node_modules} is missing: run `make setup` (it runs `npm ci` there)")
-    root = clone_working_tree(tmp_path_factory.mktemp("report") / "clone", TINY)
+    # augmented with ADA, so that the strength p is logged and drawn too
+    adaptive = {"augment": "translation", "augment_target": 0.6, "augment_speed_kimg": 1}
+    params = {**TINY, "train": {**TINY["train"], **adaptive}}
+    root = clone_working_tree(tmp_path_factory.mktemp("report") / "clone", params)
     (root / "reports/node_modules").symlink_to(node_modules)
     sh(["dvc", "repro"], root)
     return root

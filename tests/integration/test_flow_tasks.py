@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -202,6 +203,22 @@ def test_stale_checkouts_of_dead_runs_are_pruned(project):
             assert not stale.exists() and fresh.exists()
             assert os.getpid() == int((fresh / ".dvc/tmp/owner.pid").read_text())
     assert sh(["git", "worktree", "list"], project).stdout.count("\n") == 1
+
+
+def test_a_checkout_being_made_by_a_live_run_is_not_pruned(project):
+    """Two workers start experiments in one project: while one's `git worktree add` fills
+    its folder (no owner.pid yet), the other's prune must leave it alone. It removed it
+    once, and git failed with "unable to create file src/...: No such file or directory"."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    folder = project / checkout.CHECKOUTS
+    making = folder / f"exp-a-{os.getpid()}-1"  # this process, as if mid-checkout
+    orphan = folder / f"exp-b-{dead.pid}-1"  # its run was killed before owner.pid
+    for path in (making, orphan):
+        (path / "src").mkdir(parents=True)
+    assert checkout.prune_stale(project) == [orphan]
+    assert making.is_dir() and not orphan.exists()
+    shutil.rmtree(making)
 
 
 def test_a_checkout_runs_its_own_code_not_the_workspace_s(tmp_path):

@@ -37,6 +37,8 @@ def test_every_curve_group_has_a_title_axis_labels_and_the_line_template():
     assert [name for name, _ in groups] == [
         "losses",
         "d_outputs",
+        "d_real_sign",
+        "augment_p",
         "grad_norms",
         "throughput",
         "step_time",
