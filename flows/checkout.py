@@ -276,14 +276,31 @@ def remove_checkout(path: Path) -> None:
     subprocess.run(["git", "worktree", "prune"], cwd=project, capture_output=True)
 
 
+def owner_of(path: Path) -> int | None:
+    """The pid of the process that made checkout ``path`` (None: unknown).
+
+    ``owner.pid`` is written once ``git worktree add`` has filled the folder; until then
+    (another run's checkout being made right now) the pid in the folder's name says it.
+    """
+    try:
+        return int((path / ".dvc" / "tmp" / "owner.pid").read_text())
+    except (OSError, ValueError):
+        try:
+            return int(path.name.rsplit("-", 2)[1])
+        except (IndexError, ValueError):
+            return None
+
+
 def prune_stale(project: Path) -> list[Path]:
     """Remove the run checkouts whose owner process has ended; return them."""
     stale = []
     for path in sorted((project / CHECKOUTS).glob("*")):
+        owner = owner_of(path)
         try:
-            owner = int((path / ".dvc" / "tmp" / "owner.pid").read_text())
+            if owner is None:
+                raise ProcessLookupError
             os.kill(owner, 0)
-        except (OSError, ValueError):
+        except OSError:
             stale.append(path)
             remove_checkout(path)
     return stale
