@@ -100,7 +100,8 @@ def groups_without_data(repo: Path) -> list[str]:
     """Top-level plots none of whose files exist here, which the page leaves out.
 
     The measured curves (``measurements/``: throughput, step time, memory) are no stage's
-    output: a clone, or a train stage restored from DVC's cache, has measured nothing.
+    output: a clone, or a train stage restored from DVC's cache, has measured nothing. Some
+    curves are logged by some runs only (``augment/p``: with ``train.augment``).
     """
     spec = yaml.safe_load((repo / "dvc.yaml").read_text(encoding="utf-8")) or {}
     return [
@@ -218,10 +219,18 @@ def main() -> None:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     left_out = groups_without_data(Path("."))
-    if left_out:
+    top = top_level_plots(yaml.safe_load(Path("dvc.yaml").read_text(encoding="utf-8")) or {})
+    measured = [g for g in left_out if all(f.startswith("measurements/") for f in top[g])]
+    if measured:
         print(
-            f"note: no data for {', '.join(left_out)} (measured by a train run on this "
+            f"note: no data for {', '.join(measured)} (measured by a train run on this "
             "machine, see measurements/; a stage restored from DVC's cache measures nothing)",
+            file=sys.stderr,
+        )
+    if unlogged := [g for g in left_out if g not in measured]:
+        print(
+            f"note: no data for {', '.join(unlogged)} (the last train run logged none: "
+            "augment_p needs train.augment)",
             file=sys.stderr,
         )
     print(f"plots page: {page.as_uri()}")
