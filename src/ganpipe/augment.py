@@ -70,7 +70,8 @@ class Augment:
 class AdaptiveP:
     """ADA's tuning of the strength ``p`` (Karras et al. 2020), once per iteration.
 
-    ``r_t``, the mean of ``sign(D(x))`` over the iteration's real images on all ranks, tells
+    ``r_t``, the mean of ``sign(D(x))`` over one batch of reals per iteration (that of the
+    D update paired with G's; with ``n_critic > 1`` the others are not counted), all ranks, tells
     how sure D is of the reals: near 1 it has memorised them. After each iteration
     ``p += sign(r_t - target) * step`` (clamped to [0, 1]), ``step`` being the iteration's
     images over ``train.augment_speed_kimg`` thousand. ``r_t`` is compared as an exact
@@ -88,7 +89,8 @@ class AdaptiveP:
         (``all_sum`` sums a tensor over ranks)."""
         # The mean of per_rank values of ±1 (or 0) times per_rank, rounded: their exact sum.
         signs = all_sum(torch.round(real_sign.float() * self.per_rank))
-        direction = torch.sign(signs - self.target * self.reals)
+        # A NaN score (fp16 leaves overflows to its GradScalers) leaves p where it is.
+        direction = torch.sign(signs - self.target * self.reals).nan_to_num(0.0)
         self.p.copy_((self.p + direction * self.step).clamp(0.0, 1.0))
 
 

@@ -398,7 +398,7 @@ class TrainParams(_Section):
     augment_target, the p training starts from."""
     augment_target: float | None = Field(None, gt=0.0, lt=1.0)
     """Adaptive strength (ADA, Karras et al. 2020): null keeps augment_p fixed; a target for
-    r_t, the mean sign of D's outputs on the real images of each iteration (ADA uses 0.6),
+    r_t, the mean sign of D's outputs on one batch of reals per iteration (ADA uses 0.6),
     makes p rise while r_t is above it (D sure of the reals: it is memorising them) and fall
     while below. p and r_t are logged as augment/p and d/real_sign."""
     augment_speed_kimg: float = Field(100.0, gt=0, le=MAX_KIMG)

@@ -225,3 +225,11 @@ def test_adaptive_target_needs_a_policy():
         parse_params({"train": {"augment_target": 0.6}})
     params = parse_params({"train": {"augment": "translation", "augment_target": 0.6}})
     assert params.train.augment_target == 0.6
+
+
+def test_adaptive_p_ignores_a_nan_score():
+    p = torch.tensor(0.5)
+    augment.AdaptiveP(p, 0.6, 0.25, reals=4, per_rank=4).update(
+        torch.tensor(float("nan")), lambda t: t
+    )
+    assert p.item() == 0.5
