@@ -296,14 +296,19 @@ def prune_stale(project: Path) -> list[Path]:
     stale = []
     for path in sorted((project / CHECKOUTS).glob("*")):
         owner = owner_of(path)
-        try:
-            if owner is None:
-                raise ProcessLookupError
-            os.kill(owner, 0)
-        except OSError:
+        if owner is None or not _signalable(owner):
             stale.append(path)
             remove_checkout(path)
     return stale
+
+
+def _signalable(pid: int) -> bool:
+    """Whether this process may signal ``pid`` (it runs, and as this user)."""
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
 
 
 def record_experiment(path: Path, baseline: str, name: str, message: str) -> str:

@@ -103,12 +103,16 @@ def groups_without_data(repo: Path) -> list[str]:
     output: a clone, or a train stage restored from DVC's cache, has measured nothing. Some
     curves are logged by some runs only (``augment/p``: with ``train.augment``).
     """
-    spec = yaml.safe_load((repo / "dvc.yaml").read_text(encoding="utf-8")) or {}
     return [
         name
-        for name, y in top_level_plots(spec).items()
+        for name, y in plots_of(repo).items()
         if isinstance(y, dict) and not any((repo / path).is_file() for path in y)
     ]
+
+
+def plots_of(repo: Path) -> dict[str, object]:
+    """:func:`top_level_plots` of the project's dvc.yaml."""
+    return top_level_plots(yaml.safe_load((repo / "dvc.yaml").read_text(encoding="utf-8")) or {})
 
 
 def find_bundles(node_modules: Path) -> dict[str, Path]:
@@ -219,7 +223,7 @@ def main() -> None:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     left_out = groups_without_data(Path("."))
-    top = top_level_plots(yaml.safe_load(Path("dvc.yaml").read_text(encoding="utf-8")) or {})
+    top = plots_of(Path("."))
     measured = [g for g in left_out if all(f.startswith("measurements/") for f in top[g])]
     if measured:
         print(

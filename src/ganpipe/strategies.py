@@ -187,21 +187,20 @@ class _Record:
         self.loss = self.loss.to(loss.device) + loss.detach().float()
         self.scores += [s.detach().float() for s in scores]
 
-    def mean_score(self, which: int, per_micro: int) -> torch.Tensor:
-        return torch.cat([s.flatten() for s in self.scores[which::per_micro]]).mean()
-
-    def mean_sign(self, which: int, per_micro: int) -> torch.Tensor:
-        """The mean of ``sign(score)``: ADA's ``r_t`` on the reals (1: D sure of all)."""
-        return torch.cat([s.flatten() for s in self.scores[which::per_micro]]).sign().mean()
+    def scores_of(self, which: int, per_micro: int) -> torch.Tensor:
+        """Every micro-batch's scores of pass ``which`` (of ``per_micro`` per micro-batch)."""
+        return torch.cat([s.flatten() for s in self.scores[which::per_micro]])
 
 
 def _stats(d: _Record, g: _Record, norm_d, norm_g) -> Stats:
+    real = d.scores_of(0, 2)
     return {
         "loss/d": d.loss,
         "loss/g": g.loss,
-        "d/real": d.mean_score(0, 2),
-        "d/fake": d.mean_score(1, 2),
-        "d/real_sign": d.mean_sign(0, 2),
+        "d/real": real.mean(),
+        "d/fake": d.scores_of(1, 2).mean(),
+        # ADA's r_t: the mean sign of D's scores on the reals (1: D sure of every one)
+        "d/real_sign": real.sign().mean(),
         "grad_norm/d": norm_d.detach(),
         "grad_norm/g": norm_g.detach(),
     }
