@@ -66,10 +66,19 @@ def build_gan(
     sync_bn = params.model.norm == "sync_batch"
     g, d = dist.wrap(g.to(device), context, sync_bn), dist.wrap(d.to(device), context, sync_bn)
 
+    # On a GPU: one kernel per step, its state on the device, and no host read under fp16
+    # (the GradScaler hands a fused optimizer its inf test as a tensor): what a CUDA graph
+    # needs (ganpipe.graphed). On CPU, the default for-each kernels, as the CPU bits were.
+    # (fused=None, not False: False would also turn the default for-each kernels off.)
+    on_gpu = device.type == "cuda"
+    fused = True if on_gpu else None
+
     def optimizer(net: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
         if cfg.optimizer == "sgd":
-            return torch.optim.SGD(net.parameters(), lr=scaled_lr(lr, cfg))
-        return torch.optim.Adam(net.parameters(), lr=scaled_lr(lr, cfg), betas=cfg.betas)
+            return torch.optim.SGD(net.parameters(), lr=scaled_lr(lr, cfg), fused=fused)
+        return torch.optim.Adam(
+            net.parameters(), lr=scaled_lr(lr, cfg), betas=cfg.betas, fused=fused, capturable=on_gpu
+        )
 
     gan = Gan(
         g=g,

@@ -158,7 +158,8 @@ def read_hashed(path: Path, magic: bytes, map_location: Any = "cpu") -> Any:
 
 #: Training params that do not change the trained bits; a checkpoint survives changes to
 #: them: the length of training (a run extended with a larger ``kimg`` resumes from its last
-#: checkpoint), the intervals and worker processes.
+#: checkpoint), the intervals, worker processes, where the data is held and whether the
+#: step is replayed from a CUDA graph.
 NEUTRAL_TRAIN_KEYS = {
     "kimg",
     "checkpoint_kimg",
@@ -167,6 +168,7 @@ NEUTRAL_TRAIN_KEYS = {
     "log_every_kimg",
     "num_workers",
     "resident_mb",
+    "cuda_graph",  # a replay is the eager iteration's kernels on the same memory
 }
 CHECKPOINT_FORMAT = 2
 #: The header of a checkpoint file (see :func:`hashed_bytes`).

@@ -2,8 +2,9 @@
 
 The loop only sequences one job each of: :mod:`ganpipe.build` (the GAN from the params),
 :mod:`ganpipe.stream` (each iteration's batches and latents), :mod:`ganpipe.strategies`
-(one iteration's updates), :mod:`ganpipe.trainlog` (statistics and log records) and
-:mod:`ganpipe.runstate` (checkpoints and exact resume).
+(one iteration's updates), :mod:`ganpipe.graphed` (that iteration captured in a CUDA graph
+on a GPU), :mod:`ganpipe.trainlog` (statistics and log records) and :mod:`ganpipe.runstate`
+(checkpoints and exact resume).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from ganpipe import dist, runstate
+from ganpipe import dist, graphed, runstate
 from ganpipe.build import adaptive_p, build_gan, conditional_classes
 from ganpipe.dist import DistContext
 from ganpipe.ema import EmaGenerator
@@ -108,7 +109,8 @@ def train(
         if resumed is not None:
             runstate.replay(logger, run_dir, resumed)
     start = run.iteration
-    strategy = STRATEGIES[cfg.strategy]
+    # after resume: a CUDA graph captures the restored state, in place
+    step = graphed.iteration(STRATEGIES[cfg.strategy], gan, params, context)
     per_iteration = cfg.batch_size * cfg.n_critic
 
     iterations = math.ceil(cfg.kimg * 1000 / per_iteration)
@@ -146,7 +148,7 @@ def train(
     )
     with bar:
         for it in range(start, iterations):
-            stats = strategy(gan, stream.next(it))
+            stats = step(stream.next(it))
             if ada is not None:
                 ada.update(stats["d/real_sign"], context.all_sum)
             g_ema.update(dist.unwrap(gan.g), per_iteration)

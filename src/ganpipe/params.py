@@ -387,6 +387,10 @@ class TrainParams(_Section):
     """Hold the training set on the training device as uint8 (read once; each batch is then
     gathered by index from the same permutation, no DataLoader) when it takes at most this
     many MiB; 0 always reads through the DataLoader. The batches are the same either way."""
+    cuda_graph: bool = True
+    """On a GPU, capture each training iteration in a CUDA graph after 11 eager ones and
+    replay it (far fewer kernel launches; the same bits as eager). Eager, with the reason in
+    the log, under DDP or activation_checkpointing; false: always eager. No effect on CPU."""
     augment: Annotated[str, BeforeValidator(_list_to_policy)] = Field("none", max_length=64)
     """Differentiable augmentation of every image D sees, real and generated, in every pass
     (DiffAugment, Zhao et al. 2020): none, or operations of color, translation and cutout

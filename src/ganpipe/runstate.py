@@ -98,7 +98,8 @@ def resume(
     gan.opt_d.load_state_dict(state["opt_d"])
     gan.scaler_g.load_state_dict(state["scaler_g"])
     gan.scaler_d.load_state_dict(state["scaler_d"])
-    gan.skipped.update(state["skipped_steps"])
+    for net, count in state["skipped_steps"].items():
+        gan.skipped[net].fill_(count)  # in place: a captured iteration adds to this memory
     if gan.augment is not None and state["augment_p"] is not None:
         gan.augment.p.copy_(state["augment_p"])  # tuned by train.augment_target
     runtime.set_rng_state(state["rng"][context.rank])

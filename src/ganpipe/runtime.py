@@ -248,6 +248,7 @@ def numerics_record(
         record["gpu"] = torch.cuda.get_device_name(device)
         record["cuda"] = torch.version.cuda
         record["cudnn"] = torch.backends.cudnn.version()
+        record["optimizers"] = "fused"  # ganpipe.build: other kernels than CPU's for-each
     return record
 
 

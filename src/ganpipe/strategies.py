@@ -92,9 +92,14 @@ class Gan:
     """Micro-batches per update: their gradients add up before the optimizer steps."""
     augment: Augment | None = None
     """Applied to every image D sees (train.augment), with the batch's draws of the pass."""
-    skipped: dict[str, int | Tensor] = field(default_factory=lambda: {"g": 0, "d": 0})
+    skipped: dict[str, Tensor] = field(init=False)
     """Optimizer steps the fp16 scalers skipped (inf/NaN gradients), per network: device
-    counters, read (:meth:`skipped_steps`) at log and checkpoint intervals only."""
+    counters, added to in place (a CUDA graph replays into the same memory) and read
+    (:meth:`skipped_steps`) at log and checkpoint intervals only."""
+
+    def __post_init__(self):
+        device = next(self.g.parameters()).device
+        self.skipped = {net: torch.zeros((), dtype=torch.int64, device=device) for net in "gd"}
 
     def skipped_steps(self) -> dict[str, int]:
         """:attr:`skipped` read back to the host (a sync with the device)."""
@@ -168,7 +173,7 @@ class Gan:
             # kernel tests the values before multiplying): the same test here, counted on
             # the device, so that no step waits for the host (get_scale() would).
             found_inf = ~torch.stack([g.isfinite().all() for g in grads]).all()
-            self.skipped[name] = self.skipped[name] + found_inf
+            self.skipped[name].add_(found_inf)
         scaler.unscale_(opt)
         norm = torch.nn.utils.get_total_norm(grads)
         scaler.step(opt)
@@ -177,14 +182,16 @@ class Gan:
 
 
 class _Record:
-    """Losses and scores of one phase, summed over its micro-batches."""
+    """Losses and scores of one phase, summed over its micro-batches (on the loss's device:
+    no host-to-device copy, which a CUDA graph capture would refuse)."""
 
     def __init__(self):
-        self.loss = torch.zeros(())
+        self.loss: torch.Tensor | None = None
         self.scores: list[torch.Tensor] = []
 
     def add(self, loss: torch.Tensor, *scores: torch.Tensor) -> None:
-        self.loss = self.loss.to(loss.device) + loss.detach().float()
+        loss = loss.detach().float()
+        self.loss = loss if self.loss is None else self.loss + loss
         self.scores += [s.detach().float() for s in scores]
 
     def scores_of(self, which: int, per_micro: int) -> torch.Tensor:

@@ -149,3 +149,144 @@ def test_sync_batch_wraps_syncbatchnorm_and_batch_does_not(tmp_path):
     for name, num in (("g", 3), ("d", 2)):
         assert counts[f"batch/{name}"] == {"ddp": True, "sync": 0, "batch": num}
         assert counts[f"sync_batch/{name}"] == {"ddp": True, "sync": num, "batch": 0}
+
+
+# --- the training step replayed from a CUDA graph (ganpipe.graphed) ------------------------
+
+GRAPH_FEATURES = {
+    "plain": {},
+    "r1_augment_ada": {
+        "model": {"norm": "instance"},
+        "train": {
+            "r1_gamma": 1.0,
+            "augment": "color+translation+cutout",
+            "augment_p": 0.3,
+            "augment_target": 0.6,
+        },
+    },
+    "wgan_gp_n_critic_accum": {
+        "model": {"norm": "layer"},
+        "train": {"loss": "wgan_gp", "n_critic": 2, "grad_accum": 2},
+    },
+    "resnet_conditional": {
+        "model": {
+            "arch": "resnet",
+            "conditional": True,
+            "g_channels": {4: 32, 8: 32, 16: 16, 32: 16},
+            "d_channels": {4: 32, 8: 32, 16: 16, 32: 16},
+        },
+    },
+    "sgd": {"train": {"optimizer": "sgd"}},
+}
+
+
+def graph_params(strategy: str, precision: str, feature: str, cuda_graph: bool, kimg: float):
+    raw = json.loads(json.dumps(RAW))
+    for section, values in GRAPH_FEATURES[feature].items():
+        raw.setdefault(section, {}).update(values)
+    raw["train"].update(strategy=strategy, cuda_graph=cuda_graph, kimg=kimg)
+    raw["precision"] = precision
+    return parse_params(raw)
+
+
+def train_on_gpu(params, data, caplog, **kwargs):
+    """loop.train on CUDA; also whether the step was captured."""
+    runtime.configure_runtime(params.seed, params.devices, params.determinism)
+    device = runtime.resolve_device(params.devices)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ganpipe.graphed"):
+        result = loop.train(
+            params,
+            LmdbImageDataset(data / "train.lmdb", as_uint8=True),
+            device,
+            progress=False,
+            **kwargs,
+        )
+    return result, "training step captured in a CUDA graph" in caplog.text
+
+
+STRATEGY_NAMES = ("d_first_retain", "d_first_detach", "g_first_detach")
+GRAPH_CASES = [  # every strategy x precision; each feature once, R1 + ADA under fp16 too
+    *[("plain", s, p) for s in STRATEGY_NAMES for p in ("fp32", "bf16", "fp16")],
+    *[(f, "d_first_detach", "bf16") for f in GRAPH_FEATURES if f != "plain"],
+    ("r1_augment_ada", "g_first_detach", "fp16"),
+    ("wgan_gp_n_critic_accum", "d_first_retain", "fp32"),
+]
+
+
+@pytest.mark.parametrize(("feature", "strategy", "precision"), GRAPH_CASES)
+def test_graphed_step_equals_eager(tmp_path, caplog, feature, strategy, precision):
+    """Replays after capture give the bytes of the eager run (12 replayed iterations)."""
+    prepare_dataset(DataParams(), 0, tmp_path, progress=False)
+    per_iteration = 32 * GRAPH_FEATURES[feature].get("train", {}).get("n_critic", 1)
+    kimg = 24 * per_iteration / 1000  # 11 eager iterations, a capture, 12 replays
+    digests = {}
+    for cuda_graph in (False, True):
+        params = graph_params(strategy, precision, feature, cuda_graph, kimg)
+        result, captured = train_on_gpu(params, tmp_path, caplog)
+        assert captured == cuda_graph
+        digests[cuda_graph] = digest(result)
+    assert digests[True] == digests[False]
+
+
+def test_graphed_step_resumes_exactly(tmp_path, caplog):
+    """Stopped after capture and resumed (eager again for 11 iterations, then a new
+    capture of the restored state) equals a run never stopped."""
+    prepare_dataset(DataParams(), 0, tmp_path, progress=False)
+    params = graph_params("d_first_retain", "fp16", "plain", True, 40 * 32 / 1000)
+    whole, captured = train_on_gpu(params, tmp_path, caplog)
+    assert captured
+    polls = {"n": 0}
+
+    def stop_at_15() -> bool:
+        polls["n"] += 1
+        return polls["n"] == 15
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(loop.TrainingInterrupted):
+        train_on_gpu(params, tmp_path, caplog, run_dir=run_dir, should_stop=stop_at_15)
+    resumed, captured = train_on_gpu(params, tmp_path, caplog, run_dir=run_dir)
+    assert captured  # 15 + 11 eager, then replays up to 40
+    assert digest(resumed) == digest(whole)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_graphed_iterations_never_wait_for_the_host(tmp_path, precision):
+    """Eager warm-up, capture and replays under sync-debug "error": any host sync inside
+    an iteration (an .item(), a blocking copy, GradScaler's get_scale) raises."""
+    from ganpipe import graphed
+    from ganpipe.build import adaptive_p, build_gan
+    from ganpipe.dist import DistContext
+    from ganpipe.strategies import STRATEGIES, Batch
+
+    params = graph_params("d_first_retain", precision, "r1_augment_ada", True, 1.0)
+    runtime.configure_runtime(params.seed, params.devices, params.determinism)
+    device = torch.device("cuda")
+    context = DistContext(device=device)
+    gan, g_ema = build_gan(params, context)
+    ada = adaptive_p(params, gan, context)
+    step = graphed.iteration(STRATEGIES["d_first_retain"], gan, params, context)
+    gen = torch.Generator().manual_seed(0)
+    inputs = [
+        [
+            Batch(
+                (torch.rand(32, 1, 32, 32, generator=gen) * 2 - 1).to(device),
+                torch.randn(32, 100, generator=gen).to(device),
+                draws={
+                    w: torch.rand(32, 8, generator=gen).to(device) for w in ("real", "fake", "g")
+                },
+            )
+        ]
+        for _ in range(graphed.WARMUP + 4)
+    ]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for batches in inputs:
+            stats = step(batches)
+            ada.update(stats["d/real_sign"], context.all_sum)
+            g_ema.update(gan.g, 32)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert step.captured
+    assert torch.isfinite(stats["loss/d"]).item()

@@ -1,0 +1,158 @@
+"""One training iteration as a CUDA graph: captured once, then replayed every step.
+
+A small GAN's eager iteration on a GPU spends its time launching kernels (a DCGAN step at
+batch 64 takes 10–13 ms on an H100 whatever the precision; the same kernels replayed from
+a graph take 3–4 ms: ``shared/gpu/GRAPHS.md``). Here the strategy's whole iteration — every
+D and G update, micro-batch, penalty, GradScaler and optimizer step and its statistics —
+is captured with ``torch.cuda.graph`` and replayed with each iteration's batches copied
+into the captured input buffers. EMA, ADA's ``p`` and the log sums stay eager: a handful of
+kernels after each replay.
+
+A replay runs the captured kernels on the captured memory, so it is bitwise the eager
+iteration as long as the iteration is *graph-safe*: every state it changes is changed in
+place (parameters, optimizer and scaler state, BatchNorm and spectral-norm buffers, the
+fp16 skip counters, ``augment.p``), nothing reads a value back to the host, and nothing
+copies from the host. The eager path is the same function, and stays the reference.
+
+The first :data:`WARMUP` iterations after every (re)start run eagerly, on a side stream,
+as the PyTorch notes on CUDA graphs ask: they are real iterations (they create the
+optimizer and scaler state, cuBLAS workspaces and autocast caches that capture must find
+in place). A checkpoint is loaded before them, so a resumed run captures its restored state.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import fields, replace
+
+import torch
+
+from ganpipe.dist import DistContext
+from ganpipe.params import Params
+from ganpipe.strategies import Batch, Gan, Stats, Strategy
+
+log = logging.getLogger(__name__)
+
+WARMUP = 11
+"""Eager iterations before capture (the PyTorch notes ask for 11 with DDP; plain capture
+needs a few)."""
+
+
+def eager_reason(params: Params, context: DistContext) -> str | None:
+    """Why this run's iterations are not captured on CUDA, or None when they are."""
+    if context.device.type != "cuda":
+        return f"device {context.device.type}: CUDA graphs need a GPU"
+    if not params.train.cuda_graph:
+        return "train.cuda_graph is false"
+    if context.world_size > 1:
+        return (
+            "DDP: its gradient all-reduces are not captured here (StyleGAN3's flat-buffer "
+            "all-reduce is not built yet); set devices.nproc_per_node 1 for the graphed step"
+        )
+    if params.train.activation_checkpointing:
+        return (
+            "train.activation_checkpointing: its recomputation reads the RNG state, which "
+            "a capture refuses"
+        )
+    return None
+
+
+def iteration(
+    strategy: Strategy, gan: Gan, params: Params, context: DistContext
+) -> GraphedIteration | EagerIteration:
+    """The callable that runs one iteration of ``strategy`` on a list of batches: captured
+    in a CUDA graph when it can be (:func:`eager_reason` says why not, in the log)."""
+    reason = eager_reason(params, context)
+    if reason is None:
+        log.info("training step: CUDA graph (captured after %d eager iterations)", WARMUP)
+        return GraphedIteration(strategy, gan)
+    if context.device.type == "cuda":
+        log.info("training step: eager (%s)", reason)
+    return EagerIteration(strategy, gan)
+
+
+class EagerIteration:
+    """The strategy's iteration, run op by op."""
+
+    def __init__(self, strategy: Strategy, gan: Gan):
+        self.strategy, self.gan = strategy, gan
+        self.captured = False
+
+    def __call__(self, batches: Sequence[Batch]) -> Stats:
+        return self.strategy(self.gan, batches)
+
+
+class GraphedIteration:
+    """The strategy's iteration captured in one CUDA graph after :data:`WARMUP` eager ones.
+
+    The statistics it returns after capture live in the graph's memory: the next call
+    overwrites them, so they are consumed (logged, summed) before it.
+    """
+
+    def __init__(self, strategy: Strategy, gan: Gan, warmup: int = WARMUP):
+        self.strategy, self.gan, self.warmup = strategy, gan, warmup
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.inputs: list[Batch] = []
+        self.outputs: Stats = {}
+        self.side = torch.cuda.Stream()
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def __call__(self, batches: Sequence[Batch]) -> Stats:
+        if self.graph is None and self.warmup > 0:
+            self.warmup -= 1
+            self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
+                stats = self.strategy(self.gan, batches)
+            torch.cuda.current_stream().wait_stream(self.side)
+            return stats
+        if self.graph is None:
+            self._capture(batches)
+        else:
+            for static, batch in zip(self.inputs, batches, strict=True):
+                _copy(static, batch)
+        self.graph.replay()
+        return self.outputs
+
+    def _capture(self, batches: Sequence[Batch]) -> None:
+        """Record the iteration on copies of ``batches`` (capture runs nothing: the caller
+        replays it next)."""
+        self.inputs = [_clone(batch) for batch in batches]
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a DataLoader's pin-memory thread may use CUDA meanwhile.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self.outputs = self.strategy(self.gan, self.inputs)
+        self.graph = graph
+        log.info("training step captured in a CUDA graph")
+
+
+def _tensors(batch: Batch) -> list[torch.Tensor]:
+    """Every tensor of ``batch`` in a fixed order."""
+    out = []
+    for f in fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, dict):
+            out += [value[k] for k in sorted(value)]
+        elif value is not None:
+            out.append(value)
+    return out
+
+
+def _clone(batch: Batch) -> Batch:
+    """A copy of ``batch`` in memory of its own (the graph's input buffers)."""
+
+    def copy(value):
+        if isinstance(value, dict):
+            return {k: v.clone() for k, v in value.items()}
+        return None if value is None else value.clone()
+
+    return replace(batch, **{f.name: copy(getattr(batch, f.name)) for f in fields(batch)})
+
+
+def _copy(static: Batch, batch: Batch) -> None:
+    """Refill the captured input buffers with ``batch``."""
+    for into, value in zip(_tensors(static), _tensors(batch), strict=True):
+        into.copy_(value, non_blocking=True)
