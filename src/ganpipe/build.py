@@ -62,15 +62,19 @@ def build_gan(
         cfg.activation_checkpointing,
         num_classes=num_classes,
     )
-    g_ema = EmaGenerator(g, cfg.ema_kimg).to(device)
+    g_ema = EmaGenerator(g, cfg.ema_kimg)
+    g, d, g_ema = g.to(device), d.to(device), g_ema.to(device)
+    on_gpu = device.type == "cuda"
+    if on_gpu:  # NHWC convolutions: cuDNN's faster kernels (a graphed DCGAN step at batch 64
+        # ~1.3x faster on an H100); in the numerics record, as they change the GPU bits
+        g, d, g_ema = (net.to(memory_format=torch.channels_last) for net in (g, d, g_ema))
     sync_bn = params.model.norm == "sync_batch"
-    g, d = dist.wrap(g.to(device), context, sync_bn), dist.wrap(d.to(device), context, sync_bn)
+    g, d = dist.wrap(g, context, sync_bn), dist.wrap(d, context, sync_bn)
 
     # On a GPU: one kernel per step, its state on the device, and no host read under fp16
     # (the GradScaler hands a fused optimizer its inf test as a tensor): what a CUDA graph
     # needs (ganpipe.graphed). On CPU, the default for-each kernels, as the CPU bits were.
     # (fused=None, not False: False would also turn the default for-each kernels off.)
-    on_gpu = device.type == "cuda"
     fused = True if on_gpu else None
 
     def optimizer(net: torch.nn.Module, lr: float) -> torch.optim.Optimizer:

@@ -2,7 +2,7 @@
 
 A small GAN's eager iteration on a GPU spends its time launching kernels (a DCGAN step at
 batch 64 takes 10–13 ms on an H100 whatever the precision; the same kernels replayed from
-a graph take 3–4 ms: ``shared/gpu/GRAPHS.md``). Here the strategy's whole iteration — every
+a graph take 3–4 ms, measured for issue 12). Here the strategy's whole iteration — every
 D and G update, micro-batch, penalty, GradScaler and optimizer step and its statistics —
 is captured with ``torch.cuda.graph`` and replayed with each iteration's batches copied
 into the captured input buffers. EMA, ADA's ``p`` and the log sums stay eager: a handful of

@@ -248,7 +248,8 @@ def numerics_record(
         record["gpu"] = torch.cuda.get_device_name(device)
         record["cuda"] = torch.version.cuda
         record["cudnn"] = torch.backends.cudnn.version()
-        record["optimizers"] = "fused"  # ganpipe.build: other kernels than CPU's for-each
+        # ganpipe.build on a GPU: fused optimizers (not for-each), NHWC convolutions
+        record["gpu_step"] = "fused optimizers, channels_last"
     return record
 
 
