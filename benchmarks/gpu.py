@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -36,6 +37,7 @@ from ganpipe.params import DeterminismParams, DevicesParams
 
 #: the default CPU numerics, pinned before torch loads (only the CPU smoke run uses them)
 cpu.pin(DeterminismParams(), DevicesParams())
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # as the train stage does
 
 import torch  # noqa: E402
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch.utils.data import Dataset
@@ -76,6 +77,10 @@ def build_gan(
     # needs (ganpipe.graphed). On CPU, the default for-each kernels, as the CPU bits were.
     # (fused=None, not False: False would also turn the default for-each kernels off.)
     fused = True if on_gpu else None
+
+    if on_gpu:  # a capturable optimizer warns when it steps outside a capture: the warm-up
+        # steps (and eager GPU runs) do so on purpose, with the same bits
+        warnings.filterwarnings("ignore", "This instance was constructed with capturable=True")
 
     def optimizer(net: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
         if cfg.optimizer == "sgd":

@@ -91,6 +91,8 @@ class GraphedIteration:
     """
 
     def __init__(self, strategy: Strategy, gan: Gan, warmup: int = WARMUP):
+        if warmup < 1:  # state made lazily inside a capture would be made anew every replay
+            raise ValueError(f"warmup={warmup}: a first eager step makes the optimizers' state")
         self.strategy, self.gan, self.warmup = strategy, gan, warmup
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs: list[Batch] = []

@@ -81,6 +81,15 @@ def data_position(batches_done: int, num_items: int, batch_size: int) -> dict[st
     return {"epoch": batches_done // per_epoch, "offset": batches_done % per_epoch}
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``; to a GPU through pinned memory, without waiting: a copy
+    from pageable memory would wait for the GPU to finish its queue (the previous step),
+    and the host could not prepare the next step while the GPU runs this one."""
+    if device.type != "cuda" or tensor.device == device:
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def to_device_images(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Move a batch to the device; uint8 batches (a quarter of the bytes) convert there."""
     batch = batch.to(device, non_blocking=True)
@@ -148,7 +157,7 @@ class Stream:
             log.info("training set on %s: %s as uint8", self.device, size_text(size))
             self.batches = (
                 (images.index_select(0, index), labels.index_select(0, index))
-                for index in (torch.tensor(ix, device=self.device) for ix in sampler)
+                for index in (to_device(torch.tensor(ix), self.device) for ix in sampler)
             )
             return
         # Workers hold no random state the run uses (decoding is deterministic), so seeding
@@ -177,16 +186,17 @@ class Stream:
         z = latents(self.seed, index, self.batch_size, self.z_dim)[self.mine]
         real_labels = fake = None
         if self.num_classes is not None:
-            real_labels = labels.to(self.device)
+            real_labels = to_device(labels, self.device)
             fake = fake_labels(self.seed, index, self.batch_size, self.num_classes)[self.mine]
-            fake = fake.to(self.device)
+            fake = to_device(fake, self.device)
         draws = None
         if self.augments:
             draws = {
-                which: augment.draws(self.seed, index, which, self.batch_size)[self.mine].to(
-                    self.device
+                which: to_device(
+                    augment.draws(self.seed, index, which, self.batch_size)[self.mine],
+                    self.device,
                 )
                 for which in augment.PASSES
             }
         real = to_device_images(images, self.device)
-        return Batch(real, z.to(self.device), real_labels, fake, draws)
+        return Batch(real, to_device(z, self.device), real_labels, fake, draws)

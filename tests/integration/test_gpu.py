@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,8 @@ from ganpipe.data.prepare import prepare_dataset
 from ganpipe.params import DataParams, parse_params
 
 pytestmark = pytest.mark.gpu
+# as the train stage does: cuBLAS reads it when CUDA first uses it (deterministic matmuls)
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 RAW = {
     "seed": 2,
@@ -216,7 +219,7 @@ GRAPH_CASES = [  # every strategy x precision; each feature once, R1 + ADA under
 
 @pytest.mark.parametrize(("feature", "strategy", "precision"), GRAPH_CASES)
 def test_graphed_step_equals_eager(tmp_path, caplog, feature, strategy, precision):
-    """Replays after capture give the bytes of the eager run (12 replayed iterations)."""
+    """Replays after capture give the bytes of the eager run (13 replayed iterations)."""
     prepare_dataset(DataParams(), 0, tmp_path, progress=False)
     per_iteration = 32 * GRAPH_FEATURES[feature].get("train", {}).get("n_critic", 1)
     kimg = 24 * per_iteration / 1000  # 11 eager iterations, a capture, 12 replays
@@ -252,40 +255,32 @@ def test_graphed_step_resumes_exactly(tmp_path, caplog):
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_graphed_iterations_never_wait_for_the_host(tmp_path, precision):
-    """Eager warm-up, capture and replays under sync-debug "error": any host sync inside
-    an iteration (an .item(), a blocking copy, GradScaler's get_scale) raises."""
+    """The data stream, eager warm-up, capture and replays, ADA and EMA under sync-debug
+    "error": any host sync in an iteration (an .item(), a copy from pageable memory,
+    GradScaler's get_scale) raises."""
     from ganpipe import graphed
     from ganpipe.build import adaptive_p, build_gan
     from ganpipe.dist import DistContext
-    from ganpipe.strategies import STRATEGIES, Batch
+    from ganpipe.strategies import STRATEGIES
+    from ganpipe.stream import Stream
 
+    prepare_dataset(DataParams(), 0, tmp_path, progress=False)
     params = graph_params("d_first_retain", precision, "r1_augment_ada", True, 1.0)
     runtime.configure_runtime(params.seed, params.devices, params.determinism)
-    device = torch.device("cuda")
-    context = DistContext(device=device)
+    context = DistContext(device=torch.device("cuda"))
     gan, g_ema = build_gan(params, context)
     ada = adaptive_p(params, gan, context)
     step = graphed.iteration(STRATEGIES["d_first_retain"], gan, params, context)
-    gen = torch.Generator().manual_seed(0)
-    inputs = [
-        [
-            Batch(
-                (torch.rand(32, 1, 32, 32, generator=gen) * 2 - 1).to(device),
-                torch.randn(32, 100, generator=gen).to(device),
-                draws={
-                    w: torch.rand(32, 8, generator=gen).to(device) for w in ("real", "fake", "g")
-                },
-            )
-        ]
-        for _ in range(graphed.WARMUP + 4)
-    ]
+    iterations = graphed.WARMUP + 4
+    dataset = LmdbImageDataset(tmp_path / "train.lmdb", as_uint8=True)
+    stream = Stream(params, dataset, context, 0, iterations)  # reads the set to the GPU
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for batches in inputs:
-            stats = step(batches)
+        for it in range(iterations):
+            stats = step(stream.next(it))
             ada.update(stats["d/real_sign"], context.all_sum)
-            g_ema.update(gan.g, 32)
+            g_ema.update(gan.g, params.train.batch_size)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert step.captured
