@@ -8,6 +8,8 @@ d_first_detach) on 2,700 real 64x64 RGB photos (crops of scikit-learn's two samp
   EMA, statistics), eager (``train.cuda_graph: false``) and graphed (``true``). Speed is
   its own log's ``perf/images_per_s`` over the log intervals after the first (which holds
   the warm-up and the capture), median.
+- ganpipe's other strategies and features (:data:`VARIANTS`: fp16, accumulation, R1, WGAN-GP
+  with n_critic 5, augmentation with ADA) at the first batch size, eager and graphed.
 - ``plain``: the PyTorch DCGAN example's step on the same networks: eager with a
   DataLoader (2 workers, pinned memory), and hand-tuned: data resident on the GPU, fused
   capturable Adam, channels_last, the whole D + G step captured in one CUDA graph. Timed
@@ -74,27 +76,59 @@ class _Speeds:
         pass
 
 
+#: ganpipe's other configurations on the fast path (batch 64, bf16 unless named): rows of
+#: their own, eager and graphed
+VARIANTS = {
+    "d_first_retain": {"train": {"strategy": "d_first_retain"}},
+    "g_first_detach": {"train": {"strategy": "g_first_detach"}},
+    "fp16": {"precision": "fp16"},
+    "grad_accum 4": {"train": {"grad_accum": 4}},
+    "R1 (instance norm)": {"model": {"norm": "instance"}, "train": {"r1_gamma": 1.0}},
+    "wgan_gp n_critic 5 (layer norm)": {
+        "model": {"norm": "layer"},
+        "train": {"loss": "wgan_gp", "n_critic": 5},
+    },
+    "augment + ADA": {
+        "train": {"augment": "color+translation+cutout", "augment_p": 0.0, "augment_target": 0.6}
+    },
+}
+
+
 def ganpipe_row(
-    lmdb: Path, device: str, batch: int, precision: str, graph: bool, steps: int, widths: int
+    lmdb: Path,
+    device: str,
+    batch: int,
+    precision: str,
+    graph: bool,
+    steps: int,
+    widths: int,
+    variant: dict | None = None,
 ) -> dict:
     per_log = max(steps // 6, 1)
-    params = parse_params(
-        {
-            "seed": 0,
-            "precision": precision,
-            "data": {"image_size": 64, "channels": 3},
-            "devices": {"accelerator": device},
-            "model": {"g_width": widths, "d_width": widths, "z_dim": 100},
-            "train": {
-                "batch_size": batch,
-                "kimg": steps * batch / 1000,
-                "log_every_kimg": per_log * batch / 1000,
-                "snapshot_kimg": 1e6,
-                "ema_kimg": 5,
-                "cuda_graph": graph,
-            },
-        }
-    )
+    raw = {
+        "seed": 0,
+        "precision": precision,
+        "data": {"image_size": 64, "channels": 3},
+        "devices": {"accelerator": device},
+        "model": {"g_width": widths, "d_width": widths, "z_dim": 100},
+        "train": {
+            "batch_size": batch,
+            "kimg": steps * batch / 1000,
+            "log_every_kimg": per_log * batch / 1000,
+            "snapshot_kimg": 1e6,
+            "ema_kimg": 5,
+            "cuda_graph": graph,
+        },
+    }
+    for key, value in (variant or {}).items():
+        if isinstance(value, dict):
+            raw[key].update(value)
+        else:
+            raw[key] = value
+    n_critic = raw["train"].get("n_critic", 1)
+    raw["train"]["kimg"] *= n_critic
+    raw["train"]["log_every_kimg"] *= n_critic
+    params = parse_params(raw)
     runtime.configure_runtime(params.seed, params.devices, params.determinism)
     where = runtime.resolve_device(params.devices)
     if where.type == "cuda":
@@ -239,6 +273,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the script runs")
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--no-variants", action="store_true", help="skip the other strategies and features"
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmarks.gpu needs a CUDA GPU (--device cpu --quick: a smoke run)")
@@ -263,6 +300,23 @@ def main(argv: list[str] | None = None) -> dict:
                             }
                         )
                         print(json.dumps(rows[-1]), flush=True)
+        if not args.no_variants:
+            for name, variant in VARIANTS.items():
+                precision = variant.get("precision", "bf16" if not args.quick else "fp32")
+                for graph in (False, True):
+                    measured = ganpipe_row(
+                        lmdb, args.device, batches[0], precision, graph, steps, widths, variant
+                    )
+                    rows.append(
+                        {
+                            "program": f"ganpipe, {name}",
+                            "step": "graph" if graph else "eager",
+                            "batch": batches[0],
+                            "precision": precision,
+                            **measured,
+                        }
+                    )
+                    print(json.dumps(rows[-1]), flush=True)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "none (CPU smoke run)"
     result = {
         "what": "DCGAN 64 px, widths 64, z 100, BCE, d_first_detach, 2,700 photos; ganpipe's "
