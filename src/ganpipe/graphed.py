@@ -124,9 +124,15 @@ class GraphedIteration:
         replays it next)."""
         self.inputs = [_clone(batch) for batch in batches]
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a DataLoader's pin-memory thread may use CUDA meanwhile.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self.outputs = self.strategy(self.gan, self.inputs)
+        try:
+            # thread_local: a DataLoader's pin-memory thread may use CUDA meanwhile.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self.outputs = self.strategy(self.gan, self.inputs)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"capturing the training step in a CUDA graph failed: {error}\n"
+                "Set train.cuda_graph: false to train eagerly (same bits)."
+            ) from error
         self.graph = graph
         log.info("training step captured in a CUDA graph")
 
