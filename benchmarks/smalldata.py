@@ -17,10 +17,10 @@ the question is whether augmentation keeps it going down.
 Settings: ``none``, ``augment`` (DiffAugment color+translation+cutout at p = 1) and ``ada``
 (the same policy, p tuned from 0 towards r_t = 0.6).
 
-    python -m benchmarks.smalldata [--seeds 0 1 2] [--kimg 400] [--every 50]
+    python -m benchmarks.smalldata [--seeds 0 1 2] [--kimg 1000] [--every 100]
         [--settings none augment ada] [--merge]   # --merge: add to the runs on file
         [--jobs 2 --threads 1]                    # two runs at a time, one thread each
-        [--results benchmarks/results/smalldata.json]
+        [--results benchmarks/results/smalldata_1000kimg.json]
     python -m benchmarks.smalldata --table        # the results as markdown
 
 Runs alternate between settings, seed by seed; results are written after every run to the
@@ -54,7 +54,7 @@ from ganpipe.data.dataset import LmdbImageDataset
 from stages.generate import load_generator
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).parent / "results" / "smalldata.json"
+RESULTS = Path(__file__).parent / "results" / "smalldata_1000kimg.json"
 POLICY = "color+translation+cutout"
 #: train.* overrides of each setting: none, DiffAugment (p = 1), ADA (p tuned from 0)
 SETTINGS = {
@@ -218,8 +218,8 @@ def table(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--kimg", type=float, default=400)
-    parser.add_argument("--every", type=float, default=50)
+    parser.add_argument("--kimg", type=float, default=1000)
+    parser.add_argument("--every", type=float, default=100)
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     parser.add_argument(
         "--merge", action="store_true", help="add to the runs already in the results file"
