@@ -148,3 +148,35 @@ class Recorder:
 
     def log_grid(self, images_seen, grid):
         self.grids.append((images_seen, grid.shape))
+
+
+def graph_features(channels: int) -> dict[str, dict]:
+    """The configurations a captured training step must handle besides the plain one
+    (params sections to update; resnet at 32 px with ``channels`` per resolution), for the
+    tests of ganpipe.graphed on CPU and on a GPU."""
+    widths = dict.fromkeys((4, 8, 16, 32), channels)
+    return {
+        "plain": {},
+        "r1_augment_ada": {
+            "model": {"norm": "instance"},
+            "train": {
+                "r1_gamma": 1.0,
+                "augment": "color+translation+cutout",
+                "augment_p": 0.5,
+                "augment_target": 0.6,
+            },
+        },
+        "wgan_gp_n_critic_accum": {
+            "model": {"norm": "layer"},
+            "train": {"loss": "wgan_gp", "n_critic": 2, "grad_accum": 2},
+        },
+        "resnet_conditional": {
+            "data": {"image_size": 32},
+            "model": {
+                "arch": "resnet",
+                "conditional": True,
+                "g_channels": widths,
+                "d_channels": widths,
+            },
+        },
+    }

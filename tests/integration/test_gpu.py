@@ -16,6 +16,7 @@ from ganpipe import loop, runtime
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.prepare import prepare_dataset
 from ganpipe.params import DataParams, parse_params
+from tests.helpers import graph_features
 
 pytestmark = pytest.mark.gpu
 # as the train stage does: cuBLAS reads it when CUDA first uses it (deterministic matmuls)
@@ -156,31 +157,7 @@ def test_sync_batch_wraps_syncbatchnorm_and_batch_does_not(tmp_path):
 
 # --- the training step replayed from a CUDA graph (ganpipe.graphed) ------------------------
 
-GRAPH_FEATURES = {
-    "plain": {},
-    "r1_augment_ada": {
-        "model": {"norm": "instance"},
-        "train": {
-            "r1_gamma": 1.0,
-            "augment": "color+translation+cutout",
-            "augment_p": 0.3,
-            "augment_target": 0.6,
-        },
-    },
-    "wgan_gp_n_critic_accum": {
-        "model": {"norm": "layer"},
-        "train": {"loss": "wgan_gp", "n_critic": 2, "grad_accum": 2},
-    },
-    "resnet_conditional": {
-        "model": {
-            "arch": "resnet",
-            "conditional": True,
-            "g_channels": {4: 32, 8: 32, 16: 16, 32: 16},
-            "d_channels": {4: 32, 8: 32, 16: 16, 32: 16},
-        },
-    },
-    "sgd": {"train": {"optimizer": "sgd"}},
-}
+GRAPH_FEATURES = {**graph_features(16), "sgd": {"train": {"optimizer": "sgd"}}}
 
 
 def graph_params(strategy: str, precision: str, feature: str, cuda_graph: bool, kimg: float):

@@ -21,6 +21,7 @@ from ganpipe.dist import DistContext
 from ganpipe.params import parse_params
 from ganpipe.strategies import STRATEGIES, Batch, Gan
 from ganpipe.stream import latents
+from tests.helpers import graph_features
 
 BASE = {
     "seed": 3,
@@ -28,31 +29,7 @@ BASE = {
     "model": {"g_width": 8, "d_width": 8, "z_dim": 8},
     "train": {"batch_size": 8},
 }
-FEATURES = {
-    "plain": {},
-    "r1_augment_ada": {
-        "model": {"norm": "instance"},
-        "train": {
-            "r1_gamma": 1.0,
-            "augment": "color+translation+cutout",
-            "augment_p": 0.5,
-            "augment_target": 0.6,
-        },
-    },
-    "wgan_gp_n_critic_accum": {
-        "model": {"norm": "layer"},
-        "train": {"loss": "wgan_gp", "n_critic": 2, "grad_accum": 2},
-    },
-    "resnet_conditional": {
-        "data": {"image_size": 32},
-        "model": {
-            "arch": "resnet",
-            "conditional": True,
-            "g_channels": {4: 8, 8: 8, 16: 8, 32: 8},
-            "d_channels": {4: 8, 8: 8, 16: 8, 32: 8},
-        },
-    },
-}
+FEATURES = graph_features(8)
 CLASSES = 3
 
 
