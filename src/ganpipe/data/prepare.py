@@ -15,11 +15,13 @@ the first run's temporaries as leftovers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -95,6 +97,23 @@ def _default_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+@contextlib.contextmanager
+def _born_with_default_sigterm() -> Iterator[None]:
+    """SIGTERM's default action while the pool forks its workers (main thread only: where
+    Python allows it), restored once they exist. A worker stuck before its initializer ran
+    (a lock another thread of the parent held at fork time) would otherwise carry the
+    parent's flag-only handler, ignore the pool's SIGTERM at exit, and the exit would wait
+    for it forever (seen once in CI, with the other worker having done all the work)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _decoded(listing: Listing, image_size: int, channels: int, workers: int) -> Iterator:
     """Yield ``(pixels or None, reason)`` per item, in listing order."""
     items = zip(listing.names, listing.payloads, strict=True)
@@ -106,7 +125,9 @@ def _decoded(listing: Listing, image_size: int, channels: int, workers: int) -> 
         # handlers (a stage's stop request only sets a flag), and Pool's exit, which
         # terminates its workers with SIGTERM, then waited forever for one blocked on its queue.
         context = multiprocessing.get_context("fork")
-        with context.Pool(workers, initializer=_default_sigterm) as pool:
+        with _born_with_default_sigterm():  # the workers are forked here
+            pool = context.Pool(workers, initializer=_default_sigterm)
+        with pool:
             yield from pool.imap(work, items, chunksize=32)
     else:
         yield from map(work, items)
