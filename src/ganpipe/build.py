@@ -74,12 +74,11 @@ def build_gan(
 
     # On a GPU: one kernel per step, its state on the device, and no host read under fp16
     # (the GradScaler hands a fused optimizer its inf test as a tensor): what a CUDA graph
-    # needs (ganpipe.graphed). On CPU, the default for-each kernels, as the CPU bits were.
-    # (fused=None, not False: False would also turn the default for-each kernels off.)
+    # needs (ganpipe.graphed). On CPU, the default kernels, as the CPU bits were (fused=None:
+    # False would also turn the default for-each kernels off).
     fused = True if on_gpu else None
-
-    if on_gpu:  # a capturable optimizer warns when it steps outside a capture: the warm-up
-        # steps (and eager GPU runs) do so on purpose, with the same bits
+    if on_gpu:  # capturable optimizers warn on every step outside a capture; the warm-up
+        # steps (and eager GPU runs) take those on purpose, with the same bits
         warnings.filterwarnings("ignore", "This instance was constructed with capturable=True")
 
     def optimizer(net: torch.nn.Module, lr: float) -> torch.optim.Optimizer:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import fields, replace
 
 import torch
 
@@ -77,7 +76,6 @@ class EagerIteration:
 
     def __init__(self, strategy: Strategy, gan: Gan):
         self.strategy, self.gan = strategy, gan
-        self.captured = False
 
     def __call__(self, batches: Sequence[Batch]) -> Stats:
         return self.strategy(self.gan, batches)
@@ -122,7 +120,7 @@ class GraphedIteration:
     def _capture(self, batches: Sequence[Batch]) -> None:
         """Record the iteration on copies of ``batches`` (capture runs nothing: the caller
         replays it next)."""
-        self.inputs = [_clone(batch) for batch in batches]
+        self.inputs = [batch.map(torch.Tensor.clone) for batch in batches]  # own memory
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: a DataLoader's pin-memory thread may use CUDA meanwhile.
@@ -137,30 +135,7 @@ class GraphedIteration:
         log.info("training step captured in a CUDA graph")
 
 
-def _tensors(batch: Batch) -> list[torch.Tensor]:
-    """Every tensor of ``batch`` in a fixed order."""
-    out = []
-    for f in fields(batch):
-        value = getattr(batch, f.name)
-        if isinstance(value, dict):
-            out += [value[k] for k in sorted(value)]
-        elif value is not None:
-            out.append(value)
-    return out
-
-
-def _clone(batch: Batch) -> Batch:
-    """A copy of ``batch`` in memory of its own (the graph's input buffers)."""
-
-    def copy(value):
-        if isinstance(value, dict):
-            return {k: v.clone() for k, v in value.items()}
-        return None if value is None else value.clone()
-
-    return replace(batch, **{f.name: copy(getattr(batch, f.name)) for f in fields(batch)})
-
-
 def _copy(static: Batch, batch: Batch) -> None:
     """Refill the captured input buffers with ``batch``."""
-    for into, value in zip(_tensors(static), _tensors(batch), strict=True):
+    for into, value in zip(static.tensors(), batch.tensors(), strict=True):
         into.copy_(value, non_blocking=True)

@@ -54,6 +54,27 @@ class Batch:
         """Batches of images and latents only (no labels, no augmentation)."""
         return [cls(real, z) for real, z in zip(reals, zs, strict=True)]
 
+    def tensors(self) -> list[Tensor]:
+        """Every tensor of the batch (draws by pass name), in a fixed order."""
+        out = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, dict):
+                out += [value[k] for k in sorted(value)]
+            elif value is not None:
+                out.append(value)
+        return out
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> Batch:
+        """The batch with ``fn`` applied to each of its tensors."""
+
+        def apply(value):
+            if isinstance(value, dict):
+                return {k: fn(v) for k, v in value.items()}
+            return None if value is None else fn(value)
+
+        return replace(self, **{f.name: apply(getattr(self, f.name)) for f in fields(self)})
+
     def chunk(self, parts: int) -> list[Batch]:
         """``parts`` equal micro-batches, each sample keeping its labels and draws."""
 
