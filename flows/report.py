@@ -44,6 +44,15 @@ class Run:
     error: str | None = None
     ran_on: str | None = None
     """Which worker and GPUs ran it (``gpu-host-gpu0, CUDA_VISIBLE_DEVICES=0``)."""
+    ruler: str | None = None
+    """What its metric was measured with: feature network and val split (:func:`ruler_of`)."""
+    other_ruler: bool = False
+    """Measured with another ruler than the sweep's: shown, never ranked or averaged."""
+
+    @property
+    def comparable(self) -> float | None:
+        """The metric, where it can be compared with the other runs'."""
+        return None if self.other_ruler else self.metric
 
 
 def describe_ran_on(ran_on: Mapping[str, Any] | None) -> str | None:
@@ -63,7 +72,7 @@ class Group:
     runs: list[Run]
 
     def values(self, attr: str) -> list[float]:
-        found = [r.metric if attr == "metric" else r.perf.get(attr) for r in self.runs]
+        found = [r.comparable if attr == "metric" else r.perf.get(attr) for r in self.runs]
         return [v for v in found if v is not None]
 
     def mean(self, attr: str) -> float | None:
@@ -78,6 +87,37 @@ def find_metric(metrics: Mapping[str, Any], key: str) -> float | None:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value) if math.isfinite(value) else None
     return None
+
+
+def ruler_of(metrics: Mapping[str, Any]) -> str | None:
+    """``extractor sha256 / val split sha256`` (12 hex digits each) of the evaluate stage's
+    ``ruler`` record, None where no metrics file names one (made before rulers were recorded)."""
+    for data in metrics.values():
+        flat = flatten(data)
+        extractor, val = flat.get("ruler.extractor_sha256"), flat.get("ruler.val_sha256")
+        if isinstance(extractor, str) and isinstance(val, str):
+            return f"{extractor[:12]}/{val[:12]}"
+    return None
+
+
+def mark_other_rulers(runs: Sequence[Run]) -> str | None:
+    """Mark the runs measured with another ruler than most runs with the metric (ties: the
+    first planned) as :attr:`Run.other_ruler`; return the sweep's ruler (None: none known).
+
+    A FID measured in another feature network or against other val images is on another
+    scale: ranking it beside the others, or averaging it into their mean, would compare
+    numbers that mean different things.
+    """
+    counts: dict[str, int] = {}
+    for run in runs:
+        if run.metric is not None and run.ruler is not None:
+            counts[run.ruler] = counts.get(run.ruler, 0) + 1
+    if not counts:
+        return None
+    reference = max(counts, key=lambda r: counts[r])  # max keeps the first of equal counts
+    for run in runs:
+        run.other_ruler = run.ruler is not None and run.ruler != reference
+    return reference
 
 
 def collect_runs(
@@ -104,8 +144,10 @@ def collect_runs(
                 perf={k: v for k, v in perf.items() if v is not None},
                 error=(errors or {}).get(name) or exp.get("error"),
                 ran_on=describe_ran_on(exp.get("ran_on")),
+                ruler=ruler_of(metrics),
             )
         )
+    mark_other_rulers(runs)
     return runs
 
 
@@ -117,7 +159,7 @@ def _order(value: float | None, higher_is_better: bool) -> tuple[int, float]:
 
 def rank_runs(runs: Sequence[Run], higher_is_better: bool = False) -> list[Run]:
     """Runs best first; runs without the metric last, in their original order."""
-    return sorted(runs, key=lambda r: _order(r.metric, higher_is_better))
+    return sorted(runs, key=lambda r: _order(r.comparable, higher_is_better))
 
 
 def group_runs(
@@ -215,9 +257,10 @@ def render_markdown(
     lines += ["| rank | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
     for i, run in enumerate(rank_runs(runs, higher_is_better), 1):
         cells = [f"`{run.name}`", *(str(run.settings.get(k, "")) for k in keys)]
-        cells += [_fmt(run.metric), *(_fmt(run.perf.get(k)) for k in perf_cols), run.state]
+        shown = _fmt(run.metric) + (" (other ruler)" if run.other_ruler else "")
+        cells += [shown, *(_fmt(run.perf.get(k)) for k in perf_cols), run.state]
         cells += [run.ran_on or "—"] if where else []
-        rank = str(i) if run.metric is not None else "—"
+        rank = str(i) if run.comparable is not None else "—"
         lines.append(f"| {rank} | " + " | ".join(cells) + " |")
 
     notes = notes_for(runs, metric)
@@ -227,8 +270,31 @@ def render_markdown(
 
 
 def notes_for(runs: Sequence[Run], metric: str) -> list[str]:
-    """What the reader must know: missing metric or perf columns, failed runs and why."""
+    """What the reader must know: the ruler, missing metric or perf columns, failed runs."""
     notes = []
+    rulers = list(
+        dict.fromkeys(r.ruler for r in runs if r.ruler is not None and r.metric is not None)
+    )
+    others = [r for r in runs if r.other_ruler]
+    if others:
+        sweep = next(r.ruler for r in runs if r.ruler is not None and not r.other_ruler)
+        names = ", ".join(f"`{r.name}` ({r.ruler})" for r in others)
+        notes.append(
+            f"Not ranked: {names} measured `{metric}` with another ruler (feature network / "
+            f"val split sha256) than the other runs ({sweep}); values from different rulers "
+            "are not comparable. Keep `data.split_seed`, `featurenet.*` and the data the same "
+            "across a sweep."
+        )
+    elif len(rulers) == 1:
+        notes.append(
+            f"Every run was measured with one ruler (feature network / val split: {rulers[0]})."
+        )
+    unknown = [f"`{r.name}`" for r in runs if r.metric is not None and r.ruler is None]
+    if unknown and rulers:
+        notes.append(
+            f"{', '.join(unknown)} record no ruler (evaluated before rulers were recorded): "
+            "they are ranked, but their scale cannot be checked."
+        )
     finished = [r for r in runs if r.state == "success"]
     if finished and all(r.metric is None for r in finished):
         notes.append(

@@ -5,8 +5,9 @@ Inputs: params ``seed``, ``devices``, ``determinism``, ``eval``; ``models/g_ema.
 ``eval.inception_weights``). Where ``data/train.lmdb`` is present, its meta record must name
 the same train/val pair as val's (both written by one prepare run).
 Outputs: ``metrics/eval/metrics.json`` (``fid``, ``kid``, ``kid_std``, ``precision``,
-``recall`` and what they were computed from; written atomically). Real-image features
-are cached in ``.state/feature-cache/``. While it runs, the stage holds a lock on
+``recall`` and what they were computed from, with ``ruler``: the feature extractor's and the
+val split's sha256, which every comparable experiment shares; written atomically). Real-image
+features are cached in ``.state/feature-cache/``. While it runs, the stage holds a lock on
 ``metrics/eval/`` (covering the cache too): a second evaluate fails at once, naming the pid
 of the first.
 Command: ``python -m stages.evaluate`` (with ``devices.nproc_per_node > 1`` it runs under
@@ -143,8 +144,12 @@ def evaluate(params: Params) -> None:
                 **metrics,
                 "num_real": len(real),
                 "num_generated": cfg.num_samples,
-                "extractor": cfg.feature_extractor,
-                "extractor_sha256": extractor.digest,
+                # What the metrics were measured with: experiments compare only with the same.
+                "ruler": {
+                    "extractor": cfg.feature_extractor,
+                    "extractor_sha256": extractor.digest,
+                    "val_sha256": val.meta["content_sha256"],
+                },
             }
             write_bytes_atomic((json.dumps(record, indent=2) + "\n").encode(), OUT)
         context.barrier()

@@ -1,6 +1,7 @@
 """featurenet: train the feature network of the evaluation metrics on the real data.
 
-Inputs: params ``seed``, ``devices``, ``determinism``, ``featurenet``; ``data/train.lmdb``,
+Inputs: params ``devices``, ``determinism``, ``featurenet`` (``featurenet.seed``, not the
+training ``seed``: the feature network is part of the dataset's ruler); ``data/train.lmdb``,
 ``data/val.lmdb``.
 Outputs: ``models/featurenet.pt`` (frozen weights), ``models/featurenet.sha256`` (their
 hash, ``sha256sum`` format), ``metrics/featurenet.json`` (held-out accuracy). All written
@@ -40,7 +41,7 @@ def main(params: Params) -> None:
 
 def train_and_save(params: Params) -> None:
     """Train the feature network and write its weights, their hash and its accuracy."""
-    runtime.configure_runtime(params.seed, params.devices, params.determinism)
+    runtime.configure_runtime(params.featurenet.seed, params.devices, params.determinism)
     device = runtime.resolve_device(params.devices)
     train_set = LmdbImageDataset(TRAIN_LMDB)
     val_set = LmdbImageDataset(VAL_LMDB)
@@ -50,7 +51,7 @@ def train_and_save(params: Params) -> None:
     classes = classes_for(train_set.class_counts())
     shape = tuple(train_set.meta["shape"])
     result = train_featurenet(
-        params.featurenet, params.seed, train_set, val_set, classes, shape, device
+        params.featurenet, params.featurenet.seed, train_set, val_set, classes, shape, device
     )
     data = torch_bytes(record(result, params.featurenet, shape))
     digest = hashlib.sha256(data).hexdigest()

@@ -1,6 +1,7 @@
 """prepare: turn data.source into data/train.lmdb and data/val.lmdb.
 
-Inputs: params ``seed`` and ``data``; the files under ``data.path`` (if any).
+Inputs: params ``data`` (``data.split_seed`` chooses the split); the files under
+``data.path`` (if any).
 Outputs: ``data/train.lmdb``, ``data/val.lmdb`` (built in temporary folders, renamed when
 complete). The stage holds a lock on ``data/`` while it runs: a second prepare fails at once,
 naming the pid of the first. Leftovers of a killed run are deleted first.
@@ -17,7 +18,7 @@ from stages import _cli
 
 
 def main(params: Params) -> None:
-    prepare_dataset(params.data, params.seed, Path("data"))
+    prepare_dataset(params.data, params.data.split_seed, Path("data"))
 
 
 if __name__ == "__main__":

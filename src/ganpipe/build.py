@@ -66,8 +66,8 @@ def build_gan(
     g_ema = EmaGenerator(g, cfg.ema_kimg)
     g, d, g_ema = g.to(device), d.to(device), g_ema.to(device)
     on_gpu = device.type == "cuda"
-    if on_gpu:  # NHWC convolutions: cuDNN's faster kernels (a graphed DCGAN step at batch 64
-        # ~1.3x faster on an H100); in the numerics record, as they change the GPU bits
+    if on_gpu:  # NHWC convolutions: cuDNN's faster kernels (benchmarks/gpu.py measures them);
+        # in the numerics record, as they change the GPU bits
         g, d, g_ema = (net.to(memory_format=torch.channels_last) for net in (g, d, g_ema))
     sync_bn = params.model.norm == "sync_batch"
     g, d = dist.wrap(g, context, sync_bn), dist.wrap(d, context, sync_bn)

@@ -1,12 +1,12 @@
 """One training iteration as a CUDA graph: captured once, then replayed every step.
 
-A small GAN's eager iteration on a GPU spends its time launching kernels (a DCGAN step at
-batch 64 takes 10–13 ms on an H100 whatever the precision; the same kernels replayed from
-a graph take 3–4 ms, measured for issue 12). Here the strategy's whole iteration — every
-D and G update, micro-batch, penalty, GradScaler and optimizer step and its statistics —
-is captured with ``torch.cuda.graph`` and replayed with each iteration's batches copied
-into the captured input buffers. EMA, ADA's ``p`` and the log sums stay eager: a handful of
-kernels after each replay.
+A small GAN's eager iteration on a GPU spends much of its time launching kernels: a step is
+hundreds of small kernels, each a host call, while a replay launches the whole captured
+iteration at once (what it gains is measured by ``python -m benchmarks.gpu``). Here the
+strategy's whole iteration — every D and G update, micro-batch, penalty, GradScaler and
+optimizer step and its statistics — is captured with ``torch.cuda.graph`` and replayed with
+each iteration's batches copied into the captured input buffers. EMA, ADA's ``p`` and the
+log sums stay eager: a handful of kernels after each replay.
 
 A replay runs the captured kernels on the captured memory, so it is bitwise the eager
 iteration as long as the iteration is *graph-safe*: every state it changes is changed in

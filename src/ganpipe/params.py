@@ -131,9 +131,13 @@ class DataParams(_Section):
     channels: Literal[1, 3] = 1
     """1 (grayscale, ITU-R 601-2 luma) or 3 (RGB)."""
     val_fraction: float = Field(0.1, gt=0.0, lt=1.0)
-    """Fraction of the images held out for validation, chosen by ``seed``. Above 0: the
-    featurenet stage measures its accuracy and the evaluate stage compares samples on this
+    """Fraction of the images held out for validation, chosen by ``data.split_seed``. Above 0:
+    the featurenet stage measures its accuracy and the evaluate stage compares samples on this
     split, so it must hold at least one image."""
+    split_seed: int = Field(0, ge=0, lt=2**63)
+    """Seed of the train/val split. It belongs to the dataset, not to an experiment: the val
+    split is half of the ruler every metric is measured with, so experiments with different
+    training ``seed`` values are compared on the same images."""
     on_bad_image: Literal["error", "skip"] = "error"
     """error: stop at the first unreadable image, naming it; skip: leave it out and record it."""
 
@@ -326,7 +330,7 @@ class TrainParams(_Section):
     """The training run."""
 
     strategy: Literal["d_first_retain", "d_first_detach", "g_first_detach"] = "d_first_detach"
-    """Update strategy; see README "Update strategies"."""
+    """Update strategy; see docs/training.md, "Update strategies"."""
     loss: Literal["bce", "hinge", "wgan_gp"] = "bce"
     """bce: binary cross-entropy for D, non-saturating loss for G; hinge: hinge loss for D,
     -D(G(z)) for G; wgan_gp: Wasserstein critic with gradient penalty (use n_critic 5)."""
@@ -470,6 +474,10 @@ class FeaturenetParams(_Section):
     """Images per step."""
     lr: float = Field(1.0e-3, gt=0, le=1.0)
     """Adam learning rate."""
+    seed: int = Field(0, ge=0, lt=2**63)
+    """Seed of the feature network's weights and data order. With ``data.split_seed`` it fixes
+    the ruler of the metrics: experiments that differ only in the training ``seed`` are
+    measured in one feature space."""
 
 
 class EvalParams(_Section):
@@ -524,7 +532,10 @@ class Params(_Section):
     """The whole of params.yaml."""
 
     seed: int = Field(0, ge=0, lt=2**63)
-    """Base seed; the split, the weights, the data order and the latents derive from it."""
+    """Training seed: G's and D's initial weights, the data order, the latents and the
+    augmentations derive from it. The split (``data.split_seed``) and the feature network of
+    the metrics (``featurenet.seed``) do not: changing ``seed`` reruns train, generate and
+    evaluate only, and their metrics stay comparable."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Autocast precision of the forward passes; fp16 adds a GradScaler."""
     data: DataParams = DataParams()
@@ -651,6 +662,13 @@ _RANGE_REASONS = {
 }
 
 
+#: What each pattern-checked key expects, by field name (a pattern mismatch reports it).
+_PATTERN_MESSAGES = {
+    "rdzv_endpoint": "expected host:port, e.g. 10.0.0.1:29400",
+    "inception_sha256": "expected a sha256: 64 lowercase hex digits, as `sha256sum FILE` prints",
+}
+
+
 def _describe(error: Mapping[str, Any]) -> tuple[str, str]:
     """Turn one pydantic error into ``(dotted_key, message with the fix)``."""
     loc = tuple(error["loc"])
@@ -665,7 +683,8 @@ def _describe(error: Mapping[str, Any]) -> tuple[str, str]:
         parent = ".".join(str(p) for p in loc[:-1])
         return parent, f"too few items (got {error.get('input')!r}); see the default in params.yaml"
     if kind == "string_pattern_mismatch":
-        return key, f"expected host:port, e.g. 10.0.0.1:29400 (got {error.get('input')!r})"
+        expected = _PATTERN_MESSAGES.get(loc[-1] if loc else "", "does not match its pattern")
+        return key, f"{expected} (got {error.get('input')!r})"
     if kind == "value_error":
         # Our cross-field validators write complete sentences that name their keys.
         return key, str(error["msg"]).removeprefix("Value error, ")

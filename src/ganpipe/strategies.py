@@ -3,7 +3,7 @@
 Each takes ``n_critic`` global batches (:class:`Batch`: this rank's real images and latents,
 and the labels and augmentation draws when configured) and makes ``n_critic`` D updates
 and one G update. They differ only in the order of the updates and in which D the
-generator's gradient sees (DESIGN.md, README "Update strategies"):
+generator's gradient sees (docs/training.md, "Update strategies"):
 
 - ``d_first_retain``: one shared forward; G's gradient against the pre-update D.
 - ``d_first_detach``: D steps on detached fakes, then G through a fresh pass of the new D.

@@ -81,6 +81,16 @@ def test_experiment_with_bad_value_fails_naming_the_key(clone):
 
 def test_experiments_for_every_strategy_and_loss(built):
     clone = built
+    # Another training seed: the same ruler (split and feature network), so only the stages
+    # downstream of training run, and both evaluations name the same ruler.
+    before = json.loads((clone / "metrics/eval/metrics.json").read_text())
+    result = sh(["dvc", "exp", "run", "--name", "seed-2", "-S", "seed=2"], clone)
+    ran = {stage for stage in STAGES if f"Running stage '{stage}'" in result.stdout}
+    assert ran == {"train", "generate", "evaluate"}, result.stdout
+    after = json.loads((clone / "metrics/eval/metrics.json").read_text())
+    assert after["ruler"] == before["ruler"]
+    assert set(after["ruler"]) == {"extractor", "extractor_sha256", "val_sha256"}
+    assert after["fid"] != before["fid"]  # another generator, measured in the same space
     runs = [
         ("s-retain", ["-S", "train.strategy=d_first_retain"]),
         ("s-gfirst", ["-S", "train.strategy=g_first_detach"]),

@@ -40,6 +40,17 @@ def test_readme_headline_numbers_quote_their_files(source):
     assert f"| {shown} |" in rows[0], f"README.md quotes {source} as {rows[0]!r}, it holds {shown}"
 
 
+def test_evaluation_page_quotes_the_committed_metrics_of_the_default_run():
+    evaluated = _json("metrics/eval/metrics.json")
+    page = (REPO / "docs/evaluation.md").read_text()
+    row = next(line for line in page.splitlines() if line.startswith("| trained (EMA"))
+    shown = (
+        f"| {evaluated['fid']:.2f} | {evaluated['kid']:.3f} ± {evaluated['kid_std']:.3f} "
+        f"| {evaluated['precision']:.3f} | {evaluated['recall']:.3f} |"
+    )
+    assert row.endswith(shown), f"docs/evaluation.md shows {row!r}; the metrics say {shown}"
+
+
 def test_parameter_page_matches_the_schema():
     committed = (REPO / "docs/parameters.md").read_text(encoding="utf-8")
     assert committed == paramdoc.render(), (

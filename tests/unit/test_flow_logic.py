@@ -389,3 +389,37 @@ def test_plot_is_a_png_with_one_panel_per_measure(tmp_path):
         assert (30, 80, 160) in {
             image.getpixel((x, y)) for x in range(image.width) for y in range(image.height)
         }
+
+
+def with_ruler(found: dict, name: str, extractor: str, val: str = "v" * 64) -> None:
+    record = found[name]["metrics"]["metrics/eval/metrics.json"]
+    record["ruler"] = {"extractor": "featurenet", "extractor_sha256": extractor, "val_sha256": val}
+
+
+def test_a_run_measured_with_another_ruler_is_shown_but_never_ranked_or_averaged():
+    planned, found = sweep_records()
+    for name in found:
+        with_ruler(found, name, "a" * 64)
+    # s-b-0's FID (the best number) was measured in another feature network
+    with_ruler(found, "s-b-0", "b" * 64)
+    runs = report.collect_runs(planned, found, "fid")
+    assert [r.name for r in runs if r.other_ruler] == ["s-b-0"]
+    assert [r.name for r in report.rank_runs(runs)][:3] == ["s-b-1", "s-a-0", "s-a-1"]
+    groups = report.group_runs(runs, ["train.strategy"])
+    assert groups[0].mean("metric") == 22.0  # s-b-1 alone, not (20 + 22) / 2
+    text = report.render_markdown("T", runs, ["train.strategy"], "fid", False, {}, None)
+    assert "| — | `s-b-0` | b | 0 | 20 (other ruler) |" in text
+    assert "Not ranked: `s-b-0` (bbbbbbbbbbbb/vvvvvvvvvvvv)" in text
+    assert "(aaaaaaaaaaaa/vvvvvvvvvvvv)" in text
+
+
+def test_one_ruler_is_named_and_a_run_without_one_is_flagged():
+    planned, found = sweep_records()
+    for name in found:
+        with_ruler(found, name, "a" * 64)
+    del found["s-a-1"]["metrics"]["metrics/eval/metrics.json"]["ruler"]
+    runs = report.collect_runs(planned, found, "fid")
+    assert not any(r.other_ruler for r in runs)
+    text = report.render_markdown("T", runs, ["train.strategy"], "fid", False, {}, None)
+    assert "Every run was measured with one ruler (feature network / val split: " in text
+    assert "`s-a-1` record no ruler" in text

@@ -355,3 +355,21 @@ def test_numbers_are_read_as_dvc_reads_them(tmp_path):
     params = load_params(path)
     assert params.train.lr_g == 0.001 and params.train.lr_d == 0.0002
     assert params.train.kimg == 5.0
+
+
+@pytest.mark.parametrize(
+    ("section", "value", "expected"),
+    [
+        ({"devices": {"rdzv_endpoint": "no-port"}}, "no-port", "expected host:port"),
+        ({"eval": {"inception_sha256": "ABC"}}, "ABC", "64 lowercase hex digits"),
+    ],
+)
+def test_each_pattern_mismatch_says_what_its_key_expects(tmp_path, section, value, expected):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(section))
+    with pytest.raises(ParamsError) as caught:
+        load_params(path)
+    message = str(caught.value)
+    assert expected in message and repr(value) in message
+    other = "64 lowercase hex" if expected == "expected host:port" else "host:port"
+    assert other not in message

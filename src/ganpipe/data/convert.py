@@ -1,6 +1,7 @@
 """Turn one image (a file or an array) into fixed-size uint8 pixels.
 
-Rules, applied in this order (README "Bad input" documents them for users):
+Rules, applied in this order (docs/data.md, "Conversion rules" and "Bad input", documents them
+for users):
 
 1. Files are opened with Pillow by content, not extension; the first frame of an animation
    is used; EXIF orientation is applied.

@@ -206,7 +206,7 @@ def prepare_dataset(
 
     Args:
         data: The ``data`` section of params.
-        seed: Base seed; it alone chooses the train/val split.
+        seed: The split seed (``data.split_seed``); it alone chooses the train/val split.
         out_dir: Folder receiving ``train.lmdb`` and ``val.lmdb``.
         root: Folder that relative ``data.path`` values are resolved against.
         workers: Decoding processes for image folders (default: the CPUs this process may
