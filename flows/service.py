@@ -293,7 +293,7 @@ def start_worker(
         worker_env["CUDA_VISIBLE_DEVICES"] = gpu
     command = ["worker", "start", "--pool", POOL, "--work-queue", queue, "--type", "process"]
     command += ["--limit", str(limit), "--name", name]
-    since = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=2)
+    since = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=2)
     with open(folder / f"{name}.log", "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "prefect", *command],
