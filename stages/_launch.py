@@ -1,10 +1,18 @@
-"""Launching a stage as several processes through torchrun (``python -m torch.distributed.run``)."""
+"""Launching a stage as several processes through torchrun (``python -m torch.distributed.run``).
+
+The processes are bounded and owned: a launch that the machine cannot hold is refused before
+anything starts (:func:`check_capacity`), and torchrun and its ranks die with the process that
+started them, even when it is killed with SIGKILL (:func:`die_with_parent`): nothing is left
+training on, orphaned, after the stage is gone.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -16,6 +24,85 @@ from ganpipe.files import locked_dir
 from ganpipe.params import Params
 
 log = logging.getLogger("stages.launch")
+#: prctl(2)'s option: the signal this process gets when the thread that forked it ends.
+PR_SET_PDEATHSIG = 1
+#: Set by the torchrun this module starts, for its ranks: the pid they must die with.
+PARENT_PID_VAR = "GANPIPE_TORCHRUN_PID"
+
+
+class LaunchError(ValueError):
+    """A launch this machine cannot hold (too many processes for its cores or memory)."""
+
+
+def die_with_parent(expected_parent: int) -> None:
+    """Have the kernel SIGKILL this process when its parent ends (Linux's PR_SET_PDEATHSIG),
+    and exit at once if the parent ``expected_parent`` has already gone.
+
+    SIGKILL, not a polite signal: the parent is the launcher (for torchrun) or torchrun (for a
+    rank), and either one ending without stopping its children first means it was killed
+    itself; its children could only train on unowned. Exact resume makes the kill safe.
+    Elsewhere than Linux this does nothing.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != expected_parent:  # it died before the line above took effect
+        os._exit(128 + signal.SIGKILL)
+
+
+def memory_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def resident_bytes() -> int | None:
+    """This process's resident set (VmRSS), None where /proc has none."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_capacity(
+    nproc: int,
+    on_cpu: bool,
+    cores: int,
+    per_process_bytes: int | None,
+    available_bytes: int | None,
+) -> None:
+    """Refuse ``nproc`` processes on one machine that has ``cores`` CPU cores (counted on CPU
+    only: on CUDA the GPUs bound them, :func:`ganpipe.runtime.check_gpus`) or whose
+    ``available_bytes`` of memory cannot hold ``nproc`` of ``per_process_bytes`` (a lower
+    bound: each rank holds at least what the launcher holds, torch and the stage loaded).
+
+    Raises:
+        LaunchError: naming the key, what the machine has, and the two fixes.
+    """
+    fix = "lower devices.nproc_per_node, or set devices.oversubscribe: true to launch anyway"
+    if on_cpu and nproc > cores:
+        raise LaunchError(
+            f"devices.nproc_per_node={nproc} processes on CPU, but this machine lets the stage "
+            f"use {cores} CPU core(s); {fix}"
+        )
+    if per_process_bytes and available_bytes is not None:
+        needed = nproc * per_process_bytes
+        if needed > available_bytes:
+            raise LaunchError(
+                f"devices.nproc_per_node={nproc} processes need at least {needed / 2**30:.1f} "
+                f"GiB of memory ({per_process_bytes / 2**20:.0f} MiB each, the launcher's own "
+                f"size), but {available_bytes / 2**30:.1f} GiB is available; {fix}"
+            )
 
 
 def launch(params: Params, module: str) -> int:
@@ -31,12 +118,24 @@ def launch(params: Params, module: str) -> int:
     """
     devices = params.devices
     env = {**os.environ, "OMP_NUM_THREADS": str(devices.cpu_threads)}
-    if runtime.wants_cuda(devices):
+    on_cuda = runtime.wants_cuda(devices)
+    if on_cuda:
         runtime.check_gpus(devices)
+    if not devices.oversubscribe:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        check_capacity(
+            devices.nproc_per_node,
+            not on_cuda,
+            cores or os.cpu_count() or 1,
+            resident_bytes(),
+            memory_available_bytes(),
+        )
+    # torchrun runs through this module's __main__, which ties its life to this process's.
     command = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "stages._launch",
+        str(os.getpid()),
         f"--nproc-per-node={devices.nproc_per_node}",
         "--max-restarts=0",
     ]
@@ -57,7 +156,8 @@ def launch(params: Params, module: str) -> int:
     )
     # torchrun gets a session of its own, so that a signal for the stage's process group
     # (Ctrl-C in a terminal) reaches it once, through the handler below, not twice: a second
-    # signal during torchrun's shutdown would abandon the workers mid-checkpoint.
+    # signal during torchrun's shutdown would abandon the workers mid-checkpoint. Its own
+    # session does not outlive this process: die_with_parent.
     proc = subprocess.Popen(command, env=env, start_new_session=True)
     received: list[int] = []
 
@@ -107,6 +207,8 @@ def join(params: Params, module: str) -> dist.DistContext:
     devices = params.devices
     if devices.world_size > 1 and "LOCAL_RANK" not in os.environ:
         sys.exit(launch(params, module))
+    if PARENT_PID_VAR in os.environ:  # a rank of the torchrun that launch() started
+        die_with_parent(int(os.environ[PARENT_PID_VAR]))
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size != devices.world_size:
@@ -122,3 +224,12 @@ def join(params: Params, module: str) -> dist.DistContext:
         world_size,
         runtime.resolve_device(devices),
     )
+
+
+if __name__ == "__main__":
+    # ``python -m stages._launch LAUNCHER_PID TORCHRUN_ARGS...``: torchrun, dying with the
+    # launcher, and telling its ranks (the environment they inherit) to die with it.
+    die_with_parent(int(sys.argv[1]))
+    os.environ[PARENT_PID_VAR] = str(os.getpid())
+    sys.argv = ["torch.distributed.run", *sys.argv[2:]]
+    runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)

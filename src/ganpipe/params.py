@@ -177,6 +177,11 @@ class DevicesParams(_Section):
     cpu_threads: int = Field(2, ge=1, le=256)
     """Intra-op threads per process. On CPU the thread count changes the bits of the result,
     so it is part of the run's configuration."""
+    oversubscribe: bool = False
+    """Launch more processes on this machine than it has CPU cores (on CPU), or than its
+    memory is estimated to hold (each process's footprint taken as the launcher's own).
+    Off: such a launch is refused before any process starts; on: for testing DDP on a small
+    machine, at the cost of speed (the bits do not depend on it)."""
 
     @property
     def world_size(self) -> int:

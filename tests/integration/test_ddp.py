@@ -350,6 +350,60 @@ def test_a_killed_rank_fails_the_stage_fast_and_writes_nothing(tmp_path, data_di
     assert not (root / "models").exists() or not list((root / "models").iterdir())
 
 
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie waiting for its parent to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_sigkilled_launcher_takes_torchrun_and_every_rank_with_it(tmp_path, data_dir):
+    root = project(
+        tmp_path / "orphans", data_dir, devices={"nproc_per_node": 2}, train={"kimg": 200}
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stages.train"],
+        cwd=root,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    start, ranks = time.monotonic(), []
+    while len(ranks) < 2 and time.monotonic() - start < 120:
+        time.sleep(0.5)
+        if (root / "metrics/train/metrics.json").exists():  # both ranks are training
+            tree = descendants(proc.pid)
+            ranks = [p for p in tree if rank_of(p) is not None]
+    assert len(ranks) == 2, "the ranks never started"
+    tree = descendants(proc.pid)  # torchrun and the two ranks
+    proc.kill()
+    proc.wait()
+    killed = time.monotonic()
+    while any(alive(p) for p in tree) and time.monotonic() - killed < 10:
+        time.sleep(0.2)
+    left = [p for p in tree if alive(p)]
+    for pid in left:  # never leave them training on the test machine
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"still running 10 s after the launcher's SIGKILL: {left}"
+
+
+def test_more_processes_than_cores_are_refused_before_launch(tmp_path, data_dir):
+    cores = len(os.sched_getaffinity(0))
+    root = project(
+        tmp_path / "many",
+        data_dir,
+        devices={"nproc_per_node": cores + 1},
+        train={"batch_size": 8 * (cores + 1)},  # divisible: the launch is what is refused
+    )
+    result = train(root)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"devices.nproc_per_node={cores + 1} processes on CPU" in result.stderr
+    assert "devices.oversubscribe: true" in result.stderr
+    assert "Traceback" not in result.stderr and "torch.distributed.run" not in result.stderr
+    assert not (root / "checkpoints").exists() or not list((root / "checkpoints").iterdir())
+
+
 def test_cuda_request_without_cuda_fails_before_launch(tmp_path, data_dir):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
