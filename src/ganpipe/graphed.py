@@ -85,7 +85,9 @@ class GraphedIteration:
     """The strategy's iteration captured in one CUDA graph after :data:`WARMUP` eager ones.
 
     The statistics it returns after capture live in the graph's memory: the next call
-    overwrites them, so they are consumed (logged, summed) before it.
+    overwrites them, so they are consumed (logged, summed) before it. A capture that fails
+    is logged with its error and the run goes on eagerly: capturing executes nothing, so the
+    state is still that of the last eager iteration, and graph and eager give the same bits.
     """
 
     def __init__(self, strategy: Strategy, gan: Gan, warmup: int = WARMUP):
@@ -93,6 +95,8 @@ class GraphedIteration:
             raise ValueError(f"warmup={warmup}: a first eager step makes the optimizers' state")
         self.strategy, self.gan, self.warmup = strategy, gan, warmup
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.failed = False
+        """A capture failed: every iteration from then on is eager."""
         self.inputs: list[Batch] = []
         self.outputs: Stats = {}
         self.side = torch.cuda.Stream()
@@ -102,6 +106,8 @@ class GraphedIteration:
         return self.graph is not None
 
     def __call__(self, batches: Sequence[Batch]) -> Stats:
+        if self.failed:
+            return self.strategy(self.gan, batches)
         if self.graph is None and self.warmup > 0:
             self.warmup -= 1
             self.side.wait_stream(torch.cuda.current_stream())
@@ -111,6 +117,8 @@ class GraphedIteration:
             return stats
         if self.graph is None:
             self._capture(batches)
+            if self.failed:
+                return self.strategy(self.gan, batches)
         else:
             for static, batch in zip(self.inputs, batches, strict=True):
                 _copy(static, batch)
@@ -119,7 +127,7 @@ class GraphedIteration:
 
     def _capture(self, batches: Sequence[Batch]) -> None:
         """Record the iteration on copies of ``batches`` (capture runs nothing: the caller
-        replays it next)."""
+        replays it next), or set :attr:`failed` and log why."""
         self.inputs = [batch.map(torch.Tensor.clone) for batch in batches]  # own memory
         graph = torch.cuda.CUDAGraph()
         try:
@@ -127,10 +135,17 @@ class GraphedIteration:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.outputs = self.strategy(self.gan, self.inputs)
         except RuntimeError as error:
-            raise RuntimeError(
-                f"capturing the training step in a CUDA graph failed: {error}\n"
-                "Set train.cuda_graph: false to train eagerly (same bits)."
-            ) from error
+            # The aborted capture may have bound gradients to its memory pool: drop them
+            # (every update sets them to None first anyway).
+            self.gan.opt_g.zero_grad(set_to_none=True)
+            self.gan.opt_d.zero_grad(set_to_none=True)
+            self.failed, self.inputs, self.outputs = True, [], {}
+            log.warning(
+                "capturing the training step in a CUDA graph failed; training on eagerly "
+                "(the same bits, without the graph's speed-up): %s",
+                error,
+            )
+            return
         self.graph = graph
         log.info("training step captured in a CUDA graph")
 

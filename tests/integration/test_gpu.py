@@ -209,6 +209,29 @@ def test_graphed_step_equals_eager(tmp_path, caplog, feature, strategy, precisio
     assert digests[True] == digests[False]
 
 
+def test_a_failed_capture_is_logged_and_training_goes_on_eagerly_with_the_same_bits(
+    tmp_path, caplog, monkeypatch
+):
+    prepare_dataset(DataParams(), 0, tmp_path, progress=False)
+    kimg = 24 * 32 / 1000
+    eager, _ = train_on_gpu(
+        graph_params("d_first_detach", "fp32", "plain", False, kimg), tmp_path, caplog
+    )
+    strategy = loop.STRATEGIES["d_first_detach"]
+
+    def host_sync_when_captured(gan, batches):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not permitted while capturing: the capture fails
+        return strategy(gan, batches)
+
+    monkeypatch.setitem(loop.STRATEGIES, "d_first_detach", host_sync_when_captured)
+    params = graph_params("d_first_detach", "fp32", "plain", True, kimg)
+    fallen_back, captured = train_on_gpu(params, tmp_path, caplog)
+    assert not captured
+    assert "failed; training on eagerly" in caplog.text
+    assert digest(fallen_back) == digest(eager)
+
+
 def test_graphed_step_resumes_exactly(tmp_path, caplog):
     """Stopped after capture and resumed (eager again for 11 iterations, then a new
     capture of the restored state) equals a run never stopped."""
