@@ -17,14 +17,13 @@ from stages import _cli
 if __name__ == "__main__":
     _cli.pin_cpu()  # before the imports below load torch: its libraries read the pins once
 
-import shutil
 from pathlib import Path
 
 import torch
 
 from ganpipe import runtime
 from ganpipe.checkpoint import read_model_file
-from ganpipe.files import clear_leftovers, locked_dir
+from ganpipe.files import build_dir_for, clear_leftovers, locked_dir, remove_dir
 from ganpipe.nets import build_generator
 from ganpipe.params import ModelParams, Params
 from ganpipe.sampling import export_pngs, interpolation_strips, sample_grid, save_png
@@ -59,6 +58,7 @@ def main(params: Params) -> None:
     g.to(runtime.resolve_device(params.devices))
     with locked_dir(SAMPLES, "generate"):
         clear_leftovers(SAMPLES, ["grid.png", "interpolation.png", "images"])
+        clear_leftovers(build_dir_for(SAMPLES / "images"), ["images"])  # a link's target's
         write_samples(g, model, params)
 
 
@@ -74,7 +74,7 @@ def write_samples(g: torch.nn.Module, model: ModelParams, params: Params) -> Non
     if cfg.num_images:
         export_pngs(g, model.z_dim, cfg.num_images, cfg.seed, SAMPLES / "images", cfg.truncation)
     elif (SAMPLES / "images").exists():
-        shutil.rmtree(SAMPLES / "images")
+        remove_dir(SAMPLES / "images")
 
 
 if __name__ == "__main__":

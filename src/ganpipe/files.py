@@ -74,12 +74,41 @@ def exchange(a: Path, b: Path) -> bool:
     raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(a))
 
 
+class OutputLinkError(ValueError):
+    """An output folder is a symbolic link that cannot be written through (dangling)."""
+
+
+def build_dir_for(final: Path) -> Path:
+    """The folder in which to build a replacement of the folder ``final``.
+
+    Beside ``final``; where ``final`` is a symbolic link (an output moved to a bigger disk),
+    beside the folder it points to: :func:`replace_dir` swaps the new folder in there, on
+    the target's filesystem (a rename cannot cross filesystems), and the link stays.
+
+    Raises:
+        OutputLinkError: ``final`` links to a place whose folder does not exist.
+    """
+    if not final.is_symlink():
+        return final.parent
+    target = Path(os.path.realpath(final))
+    if not target.parent.is_dir():
+        raise OutputLinkError(
+            f"{final} is a symbolic link to {target}, whose folder {target.parent} does not "
+            f"exist; create {target.parent}, or remove the link {final}"
+        )
+    return target.parent
+
+
 def replace_dir(built: Path, final: Path) -> None:
     """Move the finished folder ``built`` to ``final``, then delete the previous ``final``.
 
     An existing folder is exchanged with the new one in one atomic step, so its path never
-    goes missing; where exchange is unsupported it is renamed aside first.
+    goes missing; where exchange is unsupported it is renamed aside first. A ``final`` that
+    is a symbolic link is written through: the folder it points to is replaced, the link
+    stays (``built`` must then come from :func:`build_dir_for`).
     """
+    if final.is_symlink():
+        final = Path(os.path.realpath(final))
     if not final.exists():
         built.rename(final)
     elif exchange(built, final):
@@ -89,6 +118,12 @@ def replace_dir(built: Path, final: Path) -> None:
         final.rename(aside)
         built.rename(final)
         shutil.rmtree(aside)
+
+
+def remove_dir(final: Path) -> None:
+    """Delete the folder ``final``; where it is a symbolic link, the folder it points to (the
+    link stays, to be written through again)."""
+    shutil.rmtree(os.path.realpath(final) if final.is_symlink() else final)
 
 
 class OutputsBusyError(ValueError):

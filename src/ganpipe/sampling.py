@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from ganpipe import runtime
 from ganpipe.checkpoint import write_bytes_atomic
-from ganpipe.files import TMP_MARK, replace_dir
+from ganpipe.files import TMP_MARK, build_dir_for, replace_dir
 
 
 def to_uint8(images: torch.Tensor) -> torch.Tensor:
@@ -179,7 +179,8 @@ def export_pngs(
     the folder is built beside ``out_dir`` and swapped in when complete, so it never holds a
     partial set."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}{TMP_MARK}", dir=out_dir.parent))
+    beside = build_dir_for(out_dir)  # out_dir may link to another disk: built there
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}{TMP_MARK}", dir=beside))
     num_classes = num_classes_of(generator)
     try:
         with tqdm(

@@ -517,3 +517,34 @@ def test_decoding_workers_die_at_sigterm_whatever_the_parent_handles(tmp_path, m
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert (tmp_path / "out" / "train.lmdb" / "data.mdb").exists()
+
+
+def test_splits_that_link_to_another_disk_are_replaced_there_and_stay_links(tmp_path):
+    """A user moved data/train.lmdb and data/val.lmdb elsewhere and left links: prepare
+    writes through them (the new folders built and swapped in beside their targets), and
+    a second prepare gives a matching pair again, the links intact."""
+    out, elsewhere = tmp_path / "data", tmp_path / "bigger-disk"
+    prepare_dataset(DataParams(image_size=8), 0, out, progress=False)
+    elsewhere.mkdir()
+    for split in ("train", "val"):
+        (out / f"{split}.lmdb").rename(elsewhere / f"{split}.lmdb")
+        (out / f"{split}.lmdb").symlink_to(elsewhere / f"{split}.lmdb")
+    prepare_dataset(DataParams(image_size=8, val_fraction=0.2), 0, out, progress=False)
+    for split in ("train", "val"):
+        link = out / f"{split}.lmdb"
+        assert link.is_symlink() and link.resolve() == elsewhere / f"{split}.lmdb"
+    assert sorted(p.name for p in out.iterdir()) == ["train.lmdb", "val.lmdb"]
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["train.lmdb", "val.lmdb"]
+    train, val = read_meta(out / "train.lmdb"), read_meta(out / "val.lmdb")
+    check_pair(train, val, out / "train.lmdb", out / "val.lmdb")
+    assert val["count"] == round(1797 * 0.2)
+
+
+def test_a_dangling_split_link_is_refused_before_anything_is_written(tmp_path):
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "train.lmdb").symlink_to(tmp_path / "unmounted" / "train.lmdb")
+    with pytest.raises(ValueError, match="create .*unmounted, or remove the link"):
+        prepare_dataset(DataParams(image_size=8), 0, out, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["train.lmdb"]
+    assert (out / "train.lmdb").is_symlink()

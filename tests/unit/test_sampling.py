@@ -9,7 +9,9 @@ import pytest
 import torch
 from torchvision.utils import make_grid
 
-from ganpipe.sampling import image_grid, to_uint8
+from ganpipe.nets import build_generator
+from ganpipe.params import ModelParams
+from ganpipe.sampling import export_pngs, image_grid, to_uint8
 from tests.conftest import REPO
 
 
@@ -34,3 +36,18 @@ def test_stage_imports_leave_torchvision_and_dynamo_out():
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_exported_images_are_written_through_a_folder_link(tmp_path):
+    """samples/images moved to a bigger disk and linked: the new set is built beside the
+    link's target and swapped in there; the link stays a link."""
+    g = build_generator(ModelParams(z_dim=8, g_width=4), 16, 1).eval()
+    target, link = tmp_path / "disk" / "images", tmp_path / "samples" / "images"
+    export_pngs(g, 8, 3, 0, target, progress=False)
+    link.parent.mkdir()
+    link.symlink_to(target)
+    export_pngs(g, 8, 5, 0, link, progress=False)
+    assert link.is_symlink()
+    assert sorted(p.name for p in target.iterdir()) == [f"{i:06d}.png" for i in range(5)]
+    assert [p.name for p in link.parent.iterdir()] == ["images"]
+    assert [p.name for p in target.parent.iterdir()] == ["images"]

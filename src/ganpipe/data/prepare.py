@@ -45,6 +45,7 @@ from ganpipe.data.store import (
 )
 from ganpipe.files import (
     TMP_MARK,
+    build_dir_for,
     clear_leftovers,
     free_bytes,
     free_space_text,
@@ -222,7 +223,9 @@ def prepare_dataset(
         OutputsBusyError: another prepare is writing to ``out_dir``.
     """
     with locked_dir(out_dir, "prepare"):
-        clear_leftovers(out_dir, [f"{split}.lmdb" for split in SPLITS])
+        for split in SPLITS:  # beside each split, or beside what it links to
+            final = out_dir / f"{split}.lmdb"
+            clear_leftovers(build_dir_for(final), [final.name])
         return _prepare_locked(data, seed, out_dir, root, workers, initial_map_size, progress)
 
 
@@ -255,7 +258,11 @@ def _prepare_locked(
     record_bytes = data.image_size**2 * data.channels
     map_size = initial_map_size or max(1 << 20, 2 * len(listing) * (record_bytes + 4096))
 
-    tmp = {s: out_dir / f".{s}.lmdb{TMP_MARK}{os.getpid()}" for s in SPLITS}
+    # Built beside each final folder, or beside what it links to (files.build_dir_for).
+    tmp = {
+        s: build_dir_for(out_dir / f"{s}.lmdb") / f".{s}.lmdb{TMP_MARK}{os.getpid()}"
+        for s in SPLITS
+    }
     writers: dict[str, LmdbWriter] = {}
     skipped: dict[str, list[dict[str, str]]] = {s: [] for s in SPLITS}
     bad: list[tuple[str, str]] = []
