@@ -26,6 +26,10 @@ def write_bytes_atomic(data: bytes, path: Path) -> None:
     """Write ``data`` to a temporary file beside ``path``, fsync it, then rename over ``path``.
 
     A reader (or a crash) sees the old file or the new one, never a partial one.
+
+    Raises:
+        NoSpaceError: the disk, a quota or the file-size limit had no room for ``data``; the
+            message says how much was needed and what is free where. ``path`` is unchanged.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
@@ -35,6 +39,17 @@ def write_bytes_atomic(data: bytes, path: Path) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno not in NO_SPACE_ERRNOS:
+            raise
+        kept = "is unchanged" if path.exists() else "was not written"
+        raise NoSpaceError(
+            f"writing {path} failed ({exc.strerror}): it needs {size_text(len(data))} in "
+            f"{path.parent}/ ({free_space_text(path.parent)}); {path} {kept}. Free some "
+            "space (or raise the file-size limit, `ulimit -f`), then run the stage again",
+            exc.strerror,
+        ) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -292,9 +307,7 @@ def save_checkpoint(state: dict[str, Any], run_dir: Path, images_seen: int, keep
     data = hashed_bytes({"format": CHECKPOINT_FORMAT, **state}, MAGIC)
     try:
         write_bytes_atomic(data, path)
-    except OSError as exc:
-        if exc.errno not in NO_SPACE_ERRNOS:
-            raise
+    except NoSpaceError as exc:
         doomed = list_checkpoints(run_dir)[max(keep - 1, 1) :]
         if not doomed:
             raise _no_space(exc, path, len(data), keep) from None
@@ -310,16 +323,14 @@ def save_checkpoint(state: dict[str, Any], run_dir: Path, images_seen: int, keep
         )
         try:
             write_bytes_atomic(data, path)
-        except OSError as again:
-            if again.errno not in NO_SPACE_ERRNOS:
-                raise
+        except NoSpaceError as again:
             raise _no_space(again, path, len(data), keep) from None
     for old in list_checkpoints(run_dir)[keep:]:
         old.unlink(missing_ok=True)
     return path
 
 
-def _no_space(exc: OSError, path: Path, size: int, keep: int) -> NoSpaceError:
+def _no_space(exc: NoSpaceError, path: Path, size: int, keep: int) -> NoSpaceError:
     run_dir = path.parent
     kept = list_checkpoints(run_dir)
     aside = sorted(run_dir.glob("ckpt-*.pt.corrupt"))

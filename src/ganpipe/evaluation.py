@@ -26,6 +26,7 @@ from tqdm import tqdm
 from ganpipe import runtime
 from ganpipe.checkpoint import hashed_bytes, load, read_hashed, read_model_file, write_bytes_atomic
 from ganpipe.featurenet import from_record
+from ganpipe.files import NoSpaceError
 from ganpipe.sampling import sample_labels, sample_latents, to_uint8
 
 log = logging.getLogger(__name__)
@@ -190,7 +191,10 @@ def real_features(
         progress,
     )
     if cache is not None:
-        write_bytes_atomic(hashed_bytes({**key, "features": feats}, CACHE_MAGIC), cache)
+        try:
+            write_bytes_atomic(hashed_bytes({**key, "features": feats}, CACHE_MAGIC), cache)
+        except NoSpaceError as exc:  # the cache only saves time: go on without it
+            log.warning("the real features are not cached: %s", exc)
     return feats
 
 

@@ -26,15 +26,21 @@ log = logging.getLogger(__name__)
 #: export_pngs, prepare). ``.NAME.old-*``: a previous ``NAME`` renamed aside (replace_dir).
 TMP_MARK = ".tmp-"
 OLD_MARK = ".old-"
-#: The ``errno`` values of a write that failed for lack of space (disk full, quota reached).
-NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+#: The ``errno`` values of a write that failed for lack of space: disk full, quota reached,
+#: or the file-size limit (``ulimit -f``; Python ignores SIGXFSZ, so the write fails instead).
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 class NoSpaceError(ValueError):
     """Writing failed for lack of space; the message says how much is needed, and where.
 
     A ``ValueError`` so that the stages report it as a user error (one line, exit status 2).
+    ``strerror`` is the system's reason (``No space left on device``, ``File too large``).
     """
+
+    def __init__(self, message: str, strerror: str | None = None):
+        super().__init__(message)
+        self.strerror = strerror
 
 
 def size_text(num_bytes: float) -> str:

@@ -1,0 +1,112 @@
+"""What the user's machine brings: a full disk or a file-size limit (``ulimit -f``).
+
+Each write a stage makes ends in one ``error:`` line saying what was needed and what is free
+where, with the previous file untouched; an optional cache that cannot be written is skipped.
+"""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from ganpipe import evaluation
+from ganpipe.data.dataset import LmdbImageDataset
+from ganpipe.data.prepare import prepare_dataset
+from ganpipe.featurenet import Embedding, FeatureNet
+from ganpipe.params import DataParams
+from tests.helpers import stage_env, write_project
+
+LIMIT = 64 * 1024  # bytes a file may grow to under the test's `ulimit -f`
+
+
+def limited_file_size() -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, LIMIT))
+
+
+def test_an_atomic_write_past_the_file_size_limit_keeps_the_old_file(tmp_path):
+    target = tmp_path / "models" / "g_ema.pt"
+    target.parent.mkdir()
+    target.write_bytes(b"previous model")
+    script = textwrap.dedent(
+        f"""
+        from pathlib import Path
+        from ganpipe.checkpoint import write_bytes_atomic
+        from ganpipe.files import NoSpaceError
+        try:
+            write_bytes_atomic(b"x" * {4 * LIMIT}, Path({str(target)!r}))
+        except NoSpaceError as exc:
+            print(exc)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env=stage_env(),
+        capture_output=True,
+        text=True,
+        preexec_fn=limited_file_size,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"writing {target} failed (File too large): it needs 0.2 MiB" in result.stdout
+    assert f"{target} is unchanged" in result.stdout and "ulimit -f" in result.stdout
+    assert target.read_bytes() == b"previous model"
+    assert [p.name for p in target.parent.iterdir()] == ["g_ema.pt"]  # no temporary left
+
+
+def test_train_past_the_file_size_limit_ends_in_one_error_line(tmp_path):
+    data = tmp_path / "data"
+    prepare_dataset(DataParams(image_size=16, val_fraction=0.5), 0, data, progress=False)
+    root = write_project(
+        tmp_path / "project",
+        {
+            "devices": {"cpu_threads": 1},
+            "data": {"image_size": 16, "val_fraction": 0.5},
+            "model": {"z_dim": 8, "g_width": 16, "d_width": 16},
+            "train": {"batch_size": 16, "kimg": 0.064, "log_every_kimg": 0.032},
+            "generate": {"grid_rows": 2},
+        },
+        data,
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "stages.train"],
+        cwd=root,
+        env=stage_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limited_file_size,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "File too large" in errors[0], result.stderr[-3000:]
+    assert "checkpoint needs" in errors[0] and "free there now" in errors[0]
+    assert not (root / "models").exists()
+
+
+@pytest.fixture
+def val_split(tmp_path) -> LmdbImageDataset:
+    prepare_dataset(DataParams(image_size=16, val_fraction=0.5), 0, tmp_path, progress=False)
+    return LmdbImageDataset(tmp_path / "val.lmdb")
+
+
+def test_a_feature_cache_past_the_file_size_limit_is_skipped_with_a_warning(
+    tmp_path, val_split, caplog
+):
+    extractor = Embedding(FeatureNet(channels=1, image_size=16, width=4, num_classes=10), "x")
+    sha = val_split.meta["content_sha256"]
+    args = (extractor, val_split, sha, 256, torch.device("cpu"), tmp_path / "cache")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))  # the features need ~30 KB
+    try:
+        with caplog.at_level("WARNING", logger="ganpipe.evaluation"):
+            features = evaluation.real_features(*args, progress=False)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert "the real features are not cached" in caplog.text and "File too large" in caplog.text
+    assert not list((tmp_path / "cache").iterdir())
+    assert torch.equal(features, evaluation.real_features(*args[:5], None, progress=False))
