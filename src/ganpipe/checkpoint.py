@@ -17,7 +17,14 @@ from typing import Any, TypeVar
 import torch
 
 from ganpipe import cpu
-from ganpipe.files import NO_SPACE_ERRNOS, TMP_MARK, NoSpaceError, free_space_text, size_text
+from ganpipe.files import (
+    NO_SPACE_ERRNOS,
+    TMP_MARK,
+    NoSpaceError,
+    free_space_text,
+    no_space_error,
+    size_text,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +50,7 @@ def write_bytes_atomic(data: bytes, path: Path) -> None:
         tmp.unlink(missing_ok=True)
         if exc.errno not in NO_SPACE_ERRNOS:
             raise
-        kept = "is unchanged" if path.exists() else "was not written"
-        raise NoSpaceError(
-            f"writing {path} failed ({exc.strerror}): it needs {size_text(len(data))} in "
-            f"{path.parent}/ ({free_space_text(path.parent)}); {path} {kept}. Free some "
-            "space (or raise the file-size limit, `ulimit -f`), then run the stage again",
-            exc.strerror,
-        ) from None
+        raise no_space_error(exc, path, len(data)) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -66,6 +66,20 @@ def free_space_text(folder: Path) -> str:
         return "free space unknown"
 
 
+def no_space_error(exc: OSError, path: Path, needed_bytes: int | None) -> NoSpaceError:
+    """The error for writing ``needed_bytes`` (None: not known) to ``path`` (a file, or a
+    folder being replaced) that failed with ``exc`` for lack of space (its errno in
+    :data:`NO_SPACE_ERRNOS`)."""
+    kept = "is unchanged" if path.exists() else "was not written"
+    needs = "more room" if needed_bytes is None else size_text(needed_bytes)
+    return NoSpaceError(
+        f"writing {path} failed ({exc.strerror}): it needs {needs} in "
+        f"{path.parent}/ ({free_space_text(path.parent)}); {path} {kept}. Free some space "
+        "(or raise the file-size limit, `ulimit -f`), then run the stage again",
+        exc.strerror,
+    )
+
+
 def exchange(a: Path, b: Path) -> bool:
     """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
     libc = ctypes.CDLL(None, use_errno=True)

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from ganpipe import runtime
 from ganpipe.checkpoint import write_bytes_atomic
-from ganpipe.files import TMP_MARK, build_dir_for, replace_dir
+from ganpipe.files import NO_SPACE_ERRNOS, TMP_MARK, build_dir_for, no_space_error, replace_dir
 
 
 def to_uint8(images: torch.Tensor) -> torch.Tensor:
@@ -198,6 +198,14 @@ def export_pngs(
                     (folder / f"{i:06d}.png").write_bytes(png_bytes(pixels))
                 bar.update(len(chunk))
         replace_dir(tmp, out_dir)
+    except OSError as exc:
+        pngs = list(tmp.rglob("*.png"))
+        written = sum(p.stat().st_size for p in pngs)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno not in NO_SPACE_ERRNOS:
+            raise
+        # the images written so far, scaled to the whole set: about what the folder needs
+        raise no_space_error(exc, out_dir, written * count // len(pngs) if pngs else None) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

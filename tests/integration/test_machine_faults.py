@@ -6,10 +6,13 @@ where, with the previous file untouched; an optional cache that cannot be writte
 
 from __future__ import annotations
 
+import os
 import resource
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +21,10 @@ from ganpipe import evaluation
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.prepare import prepare_dataset
 from ganpipe.featurenet import Embedding, FeatureNet
-from ganpipe.params import DataParams
+from ganpipe.files import NoSpaceError
+from ganpipe.nets import build_generator
+from ganpipe.params import DataParams, ModelParams
+from ganpipe.sampling import export_pngs
 from tests.helpers import stage_env, write_project
 
 LIMIT = 64 * 1024  # bytes a file may grow to under the test's `ulimit -f`
@@ -110,3 +116,29 @@ def test_a_feature_cache_past_the_file_size_limit_is_skipped_with_a_warning(
     assert "the real features are not cached" in caplog.text and "File too large" in caplog.text
     assert not list((tmp_path / "cache").iterdir())
     assert torch.equal(features, evaluation.real_features(*args[:5], None, progress=False))
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Iterator[Path]:
+    """A 64 KiB tmpfs (room for 16 small files: each takes a 4 KiB page), unmounted after."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)])
+    if mounted.returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_exported_images_on_a_full_disk_end_in_one_error_and_keep_the_old_set(small_disk):
+    g = build_generator(ModelParams(z_dim=8, g_width=4), 16, 1).eval()
+    images = small_disk / "images"
+    export_pngs(g, 8, 3, 0, images, progress=False)
+    before = {p.name: p.read_bytes() for p in images.iterdir()}
+    with pytest.raises(NoSpaceError) as caught:
+        export_pngs(g, 8, 40, 0, images, progress=False)
+    message = str(caught.value)
+    assert f"writing {images} failed (No space left on device)" in message
+    assert "free there now" in message and f"{images} is unchanged" in message
+    assert {p.name: p.read_bytes() for p in images.iterdir()} == before
+    assert os.listdir(small_disk) == ["images"]  # the partial new set is gone
