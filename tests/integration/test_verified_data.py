@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,10 +19,16 @@ import pytest
 import yaml
 
 from ganpipe.data.prepare import prepare_dataset
-from ganpipe.data.store import CHECKSUMS_FILE, PAGE_BYTES, record_key
+from ganpipe.data.store import (
+    CHECKSUMS_FILE,
+    PAGE_BYTES,
+    DamagedDatasetError,
+    record_key,
+    verify_lmdb,
+)
 from ganpipe.params import DataParams
 from tests.conftest import dir_digest, random_image
-from tests.helpers import run_stage, stage_env
+from tests.helpers import run_stage, sh, stage_env
 from tests.integration.test_stage_errors import stage_outputs
 
 DATA = {"source": "folder", "path": "images", "image_size": 16, "channels": 1}
@@ -35,9 +42,15 @@ def pristine(tmp_path_factory) -> Path:
         random_image(root / "images" / f"c{i % 2}" / f"{i}.png", seed=i)
     data = DataParams(**DATA, val_fraction=0.25)
     prepare_dataset(data, 0, root / "data", root=root, progress=False)
-    (root / "params.yaml").write_text(
-        yaml.safe_dump({"data": {**DATA, "val_fraction": 0.25}, "devices": {"accelerator": "cpu"}})
-    )
+    # Params train and featurenet would run with (tiny), were the data intact.
+    params = {
+        "data": {**DATA, "val_fraction": 0.25},
+        "devices": {"accelerator": "cpu", "cpu_threads": 1},
+        "model": {"z_dim": 4, "g_width": 4, "d_width": 4},
+        "train": {"batch_size": 4, "kimg": 0.008, "ema_kimg": 0},
+        "featurenet": {"epochs": 1, "batch_size": 4},
+    }
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
     return root
 
 
@@ -94,7 +107,7 @@ def check_refused(result: subprocess.CompletedProcess, db: str, words: str) -> N
     assert len(errors) == 1, result.stderr[-3000:]
     assert errors[0].startswith(f"error: {db}: {words}"), errors
     assert errors[0].endswith(
-        f"; restore it with `dvc checkout {db}`, or rebuild it with `dvc repro -f prepare`"
+        f"; restore it with `dvc checkout --force {db}`, or rebuild it with `dvc repro -f prepare`"
     ), errors
 
 
@@ -141,7 +154,7 @@ def test_a_database_made_before_verification_says_to_rebuild_it(tmp_path, pristi
     assert result.stderr.splitlines()[-1] == (
         "error: data/train.lmdb has no checksums.json: it was written before ganpipe verified "
         "its data (rebuild it with `dvc repro -f prepare`), or the file was removed (restore "
-        "it with `dvc checkout data/train.lmdb`)"
+        "it with `dvc checkout --force data/train.lmdb`)"
     )
     assert dir_digest(root) == before
 
@@ -176,5 +189,24 @@ def test_opening_a_truncated_database_unverified_is_an_error_not_sigbus(tmp_path
     assert result.returncode == 2, (result.returncode, result.stderr)
     assert result.stdout.strip() == (
         f"{db}: data.mdb has {size // 2:,} bytes but its pages reach byte {size:,} (truncated); "
-        f"restore it with `dvc checkout {db}`, or rebuild it with `dvc repro -f prepare`"
+        f"restore it with `dvc checkout --force {db}`, or rebuild it with `dvc repro -f prepare`"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["record", "truncated"])
+def test_the_dvc_command_the_error_names_restores_the_data(tmp_path, monkeypatch, pristine, damage):
+    """DVC refuses to overwrite a modified output without --force: the command the message
+    gives must be the one that works, run as given."""
+    root = tmp_path / "project"
+    shutil.copytree(pristine / "data", root / "data")
+    sh(["git", "init", "-q"], root)
+    sh(["dvc", "init", "-q"], root)
+    sh(["dvc", "add", "-q", "data/train.lmdb"], root)
+    DAMAGE[damage](root / "data/train.lmdb")
+    monkeypatch.chdir(root)
+    with pytest.raises(DamagedDatasetError) as info:
+        verify_lmdb(Path("data/train.lmdb"))
+    command = re.search(r"restore it with `([^`]+)`", str(info.value)).group(1)
+    sh(command.split(), root)
+    verify_lmdb(Path("data/train.lmdb"))

@@ -52,7 +52,10 @@ def flip(path: Path, offset: int) -> None:
 
 
 def fixes(path: Path) -> str:
-    return f"; restore it with `dvc checkout {path}`, or rebuild it with `dvc repro -f prepare`"
+    return (
+        f"; restore it with `dvc checkout --force {path}`, or rebuild it with "
+        "`dvc repro -f prepare`"
+    )
 
 
 def test_an_intact_database_passes_and_nothing_is_written(db):
@@ -125,7 +128,7 @@ def test_a_database_without_checksums_says_to_rebuild_it(db):
     assert str(info.value) == (
         f"{db} has no checksums.json: it was written before ganpipe verified its data (rebuild "
         f"it with `dvc repro -f prepare`), or the file was removed (restore it with "
-        f"`dvc checkout {db}`)"
+        f"`dvc checkout --force {db}`)"
     )
 
 

@@ -49,13 +49,14 @@ class DatasetError(ValueError):
 class DamagedDatasetError(DatasetError):
     """A database's bytes differ from what prepare wrote (a flipped bit, a truncated or
     overwritten file, a missing checksum file), or LMDB cannot read them. The message names
-    the database and both fixes: restore it from the DVC cache, or rebuild it."""
+    the database and both fixes: restore it from the DVC cache (``--force``: DVC does not
+    overwrite a modified output without it), or rebuild it."""
 
 
 def damaged(path: Path, what: str) -> DamagedDatasetError:
     """The error for the database at ``path``, ``what`` saying what is wrong with it."""
     return DamagedDatasetError(
-        f"{path}: {what}; restore it with `dvc checkout {path}`, or rebuild it with "
+        f"{path}: {what}; restore it with `dvc checkout --force {path}`, or rebuild it with "
         "`dvc repro -f prepare`"
     )
 
@@ -261,7 +262,7 @@ def _read_checksums(path: Path) -> dict[str, Any]:
         raise DamagedDatasetError(
             f"{path} has no {CHECKSUMS_FILE}: it was written before ganpipe verified its data "
             f"(rebuild it with `dvc repro -f prepare`), or the file was removed (restore it "
-            f"with `dvc checkout {path}`)"
+            f"with `dvc checkout --force {path}`)"
         ) from None
     try:
         record = json.loads(raw)
@@ -301,7 +302,7 @@ def verify_lmdb(path: Path, workers: int | None = None) -> None:
         DamagedDatasetError: no or unreadable ``checksums.json`` (a database written before
             data verification), a size that differs, or blocks whose sha256 differs. The
             message names the database, where it differs, and the fixes
-            (``dvc checkout PATH``, ``dvc repro -f prepare``).
+            (``dvc checkout --force PATH``, ``dvc repro -f prepare``).
     """
     began = time.perf_counter()
     size = _data_file(path).st_size
