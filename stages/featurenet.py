@@ -42,10 +42,10 @@ def main(params: Params) -> None:
 
 def train_and_save(params: Params) -> None:
     """Train the feature network and write its weights, their hash and its accuracy."""
-    for path in (TRAIN_LMDB, VAL_LMDB):
-        verify_lmdb(path)
     runtime.configure_runtime(params.featurenet.seed, params.devices, params.determinism)
     device = runtime.resolve_device(params.devices)
+    for path in (TRAIN_LMDB, VAL_LMDB):
+        verify_lmdb(path)
     train_set = LmdbImageDataset(TRAIN_LMDB)
     val_set = LmdbImageDataset(VAL_LMDB)
     check_pair(train_set.meta, val_set.meta, TRAIN_LMDB, VAL_LMDB)
