@@ -20,6 +20,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 from ganpipe import dist, runtime
+from ganpipe.data.store import verify_lmdb
 from ganpipe.files import locked_dir
 from ganpipe.params import Params
 
@@ -195,6 +196,18 @@ def lock_outputs(folder: Path, stage: str) -> AbstractContextManager[None]:
     if "LOCAL_RANK" in os.environ:
         return contextlib.nullcontext()
     return locked_dir(folder, stage)
+
+
+def verify_data(*paths: Path) -> None:
+    """:func:`ganpipe.data.store.verify_lmdb` on each database, in the process the user
+    started, before it launches any worker or opens any output.
+
+    A torchrun worker does not verify again: its launcher did, just before starting it.
+    """
+    if "LOCAL_RANK" in os.environ:
+        return
+    for path in paths:
+        verify_lmdb(path)
 
 
 def join(params: Params, module: str) -> dist.DistContext:

@@ -3,7 +3,8 @@
 Inputs: params ``seed``, ``devices``, ``determinism``, ``eval``; ``models/g_ema.pt``,
 ``data/val.lmdb``, and ``models/featurenet.pt`` (or the local Inception weights file of
 ``eval.inception_weights``). Where ``data/train.lmdb`` is present, its meta record must name
-the same train/val pair as val's (both written by one prepare run).
+the same train/val pair as val's (both written by one prepare run). Both databases are
+verified against the checksums prepare wrote (:func:`ganpipe.data.store.verify_lmdb`) first.
 Outputs: ``metrics/eval/metrics.json`` (``fid``, ``kid``, ``kid_std``, ``precision``,
 ``recall`` and what they were computed from, with ``ruler``: the feature extractor's and the
 val split's sha256, which every comparable experiment shares; written atomically). Real-image
@@ -35,7 +36,7 @@ from ganpipe.data.store import check_pair, check_val_not_empty, read_meta
 from ganpipe.params import Params
 from ganpipe.sampling import num_classes_of, sample_labels
 from stages._cli import TRAIN_LMDB, VAL_LMDB
-from stages._launch import join, lock_outputs
+from stages._launch import join, lock_outputs, verify_data
 from stages.generate import load_generator
 
 log = logging.getLogger("stages.evaluate")
@@ -51,14 +52,18 @@ def extractor_for(params: Params) -> torch.nn.Module:
 
 
 def check_val_split() -> None:
-    """Refuse a val split that is empty or not the pair of the train split beside it, if any.
+    """Refuse a val split that is damaged, empty or not the pair of the train split beside
+    it, if any.
 
-    Only val is read, but the generator was trained on train: the two must come from one
-    prepare run (see :func:`ganpipe.data.store.check_pair`).
+    Only val's records are read, but the generator was trained on train: the two must come
+    from one prepare run (see :func:`ganpipe.data.store.check_pair`). Each database read
+    here is verified first (:func:`stages._launch.verify_data`).
     """
+    verify_data(VAL_LMDB)
     val_meta = read_meta(VAL_LMDB)
     check_val_not_empty(val_meta, VAL_LMDB)
     if (TRAIN_LMDB / "data.mdb").exists():
+        verify_data(TRAIN_LMDB)
         check_pair(read_meta(TRAIN_LMDB), val_meta, TRAIN_LMDB, VAL_LMDB)
 
 

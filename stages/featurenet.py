@@ -2,7 +2,8 @@
 
 Inputs: params ``devices``, ``determinism``, ``featurenet`` (``featurenet.seed``, not the
 training ``seed``: the feature network is part of the dataset's ruler); ``data/train.lmdb``,
-``data/val.lmdb``.
+``data/val.lmdb`` (both verified against the checksums prepare wrote first,
+:func:`ganpipe.data.store.verify_lmdb`).
 Outputs: ``models/featurenet.pt`` (frozen weights), ``models/featurenet.sha256`` (their
 hash, ``sha256sum`` format), ``metrics/featurenet.json`` (held-out accuracy). All written
 atomically, under a lock on ``models/``: a second featurenet fails at once, naming the pid of
@@ -24,7 +25,7 @@ from pathlib import Path
 from ganpipe import runtime
 from ganpipe.checkpoint import torch_bytes, write_bytes_atomic
 from ganpipe.data.dataset import LmdbImageDataset
-from ganpipe.data.store import check_pair, check_val_not_empty
+from ganpipe.data.store import check_pair, check_val_not_empty, verify_lmdb
 from ganpipe.featurenet import classes_for, record, train_featurenet
 from ganpipe.files import locked_dir
 from ganpipe.params import Params
@@ -43,6 +44,8 @@ def train_and_save(params: Params) -> None:
     """Train the feature network and write its weights, their hash and its accuracy."""
     runtime.configure_runtime(params.featurenet.seed, params.devices, params.determinism)
     device = runtime.resolve_device(params.devices)
+    for path in (TRAIN_LMDB, VAL_LMDB):
+        verify_lmdb(path)
     train_set = LmdbImageDataset(TRAIN_LMDB)
     val_set = LmdbImageDataset(VAL_LMDB)
     check_pair(train_set.meta, val_set.meta, TRAIN_LMDB, VAL_LMDB)

@@ -1,7 +1,8 @@
 """train: train G and D on data/train.lmdb.
 
 Inputs: params ``seed``, ``precision``, ``data``, ``devices``, ``determinism``, ``model``,
-``train``, ``generate.grid_rows``; ``data/train.lmdb``.
+``train``, ``generate.grid_rows``; ``data/train.lmdb`` (verified against the checksums prepare
+wrote, :func:`ganpipe.data.store.verify_lmdb`, before anything else).
 Outputs: ``models/generator.pt``, ``models/discriminator.pt``, ``models/g_ema.pt`` (each
 written atomically, with the numerics they were computed with); the training log
 ``metrics/train`` (dvclive: metrics.json, loss curves, progress grids).
@@ -41,7 +42,7 @@ from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.loop import TrainingInterrupted, train
 from ganpipe.params import Params
 from stages._cli import TRAIN_LMDB
-from stages._launch import join, lock_outputs
+from stages._launch import join, lock_outputs, verify_data
 
 log = logging.getLogger("stages.train")
 MODELS = Path("models")
@@ -186,6 +187,7 @@ class StopRequest:
 
 def main(params: Params) -> None:
     with lock_outputs(CHECKPOINTS, "train"):
+        verify_data(TRAIN_LMDB)  # before any worker starts and any output is opened
         train_and_save(params)
 
 

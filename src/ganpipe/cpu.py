@@ -231,3 +231,11 @@ def libc_version() -> str:
     """The C library (its libm serves Python's float math and ATen's scalar code)."""
     name, version = platform.libc_ver()
     return f"{name} {version}".strip() or "unknown"
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask (taskset, cgroup cpusets), where the
+    platform has one, rather than every core of the machine."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

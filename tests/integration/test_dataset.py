@@ -120,7 +120,7 @@ def test_reading_never_writes_to_the_database_folder(db):
     for _ in loader:
         pass
     assert dir_digest(path) == before
-    assert sorted(p.name for p in path.iterdir()) == ["data.mdb"]
+    assert sorted(p.name for p in path.iterdir()) == ["checksums.json", "data.mdb"]
 
 
 def test_database_without_meta_is_refused(tmp_path):

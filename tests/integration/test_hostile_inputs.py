@@ -48,6 +48,7 @@ from ganpipe.data.store import (
     LmdbWriter,
     estimate_bytes,
     read_meta,
+    write_checksums,
 )
 from ganpipe.files import OutputsBusyError, locked_dir, size_text
 from ganpipe.nets import DcganGenerator
@@ -369,6 +370,7 @@ def write_db_with_meta(path: Path, meta_bytes: bytes) -> None:
         txn.put(b"00000000", b"\0" * (4 + 8 * 8))
         txn.put(META_KEY, meta_bytes)
     env.close()
+    write_checksums(path)  # as prepare would: the meta record is the bad part here
 
 
 GOOD_META = {
@@ -422,7 +424,8 @@ def test_a_stage_reading_a_bad_meta_record_exits_cleanly(tmp_path, monkeypatch, 
 
 
 def relabel_first(db: Path, old: int, new: int) -> None:
-    """Give the first record labelled ``old`` in ``db`` the label ``new``, meta unchanged."""
+    """Give the first record labelled ``old`` in ``db`` the label ``new``, meta unchanged,
+    with checksums of the result (a database a faulty prepare could have written)."""
     env = lmdb.open(str(db), lock=False, subdir=True)
     with env.begin(write=True) as txn:
         for key, value in txn.cursor():
@@ -430,6 +433,7 @@ def relabel_first(db: Path, old: int, new: int) -> None:
                 txn.put(key, LABEL.pack(new) + value[LABEL.size :])
                 break
     env.close()
+    write_checksums(db)
 
 
 def featurenet_project(root: Path, classes: dict[str, int], **data) -> Path:

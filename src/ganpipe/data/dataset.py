@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ganpipe.data.store import LABEL, DatasetError, open_readonly, read_meta, record_key
+from ganpipe.data.store import (
+    LABEL,
+    DatasetError,
+    damaged,
+    open_readonly,
+    read_meta,
+    reading,
+    record_key,
+)
 
 
 def uint8_to_float(images: torch.Tensor) -> torch.Tensor:
@@ -49,10 +60,19 @@ class LmdbImageDataset(Dataset):
         state["_env"] = None
         return state
 
-    def _txn(self):
+    @contextmanager
+    def _txn(self) -> Iterator[lmdb.Transaction]:
+        """A read transaction; LMDB's errors (a damaged page) become one user error."""
         if self._env is None:
             self._env = open_readonly(self.path)
-        return self._env.begin(buffers=True)
+        with reading(self.path), self._env.begin(buffers=True) as txn:
+            yield txn
+
+    def _value(self, txn: lmdb.Transaction, index: int) -> memoryview:
+        value = txn.get(record_key(index))
+        if value is None:
+            raise damaged(self.path, f"record {index} of {len(self)} is missing")
+        return value
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         return self.__getitems__([index])[0]
@@ -68,7 +88,7 @@ class LmdbImageDataset(Dataset):
         records = np.empty((len(indices), self._record_size), dtype=np.uint8)
         with self._txn() as txn:
             for row, index in enumerate(indices):
-                value = txn.get(record_key(index))
+                value = self._value(txn, index)
                 if len(value) != self._record_size:
                     raise ValueError(
                         f"{self.path}: record {index} has {len(value)} bytes, expected "
@@ -86,7 +106,7 @@ class LmdbImageDataset(Dataset):
         out = np.empty((len(self), *self._hwc), dtype=np.uint8)
         with self._txn() as txn:
             for i in range(len(self)):
-                out[i] = np.frombuffer(txn.get(record_key(i)), np.uint8, offset=LABEL.size).reshape(
+                out[i] = np.frombuffer(self._value(txn, i), np.uint8, offset=LABEL.size).reshape(
                     self._hwc
                 )
         return out
@@ -123,6 +143,6 @@ class LmdbImageDataset(Dataset):
         """All labels as an int64 array."""
         with self._txn() as txn:
             return np.array(
-                [LABEL.unpack_from(txn.get(record_key(i)))[0] for i in range(len(self))],
+                [LABEL.unpack_from(self._value(txn, i))[0] for i in range(len(self))],
                 dtype=np.int64,
             )

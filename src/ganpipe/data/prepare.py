@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from ganpipe.cpu import usable_cpus
 from ganpipe.data import convert
 from ganpipe.data.sources import Listing, list_source
 from ganpipe.data.store import (
@@ -134,14 +135,6 @@ def _decoded(listing: Listing, image_size: int, channels: int, workers: int) -> 
         yield from map(work, items)
 
 
-def usable_cpus() -> int:
-    """CPUs this process may run on: its affinity mask (taskset, cgroup cpusets), where the
-    platform has one, rather than every core of the machine."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def _write_failed(
     exc: WriteFailedError, out_dir: Path, listing: Listing, value_bytes: int, written: int
 ) -> DatasetError:
@@ -211,7 +204,7 @@ def prepare_dataset(
         out_dir: Folder receiving ``train.lmdb`` and ``val.lmdb``.
         root: Folder that relative ``data.path`` values are resolved against.
         workers: Decoding processes for image folders (default: the CPUs this process may
-            use, see :func:`usable_cpus`).
+            use, see :func:`ganpipe.cpu.usable_cpus`).
         initial_map_size: LMDB map size to start from (grows on demand); default estimated.
         progress: Show a progress bar.
 

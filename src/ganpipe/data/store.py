@@ -6,21 +6,34 @@ followed by the ``H*W*C`` uint8 pixels in HWC order. Nothing is pickled. The met
 incomplete and is refused by readers. The meta records of a train/val pair both hold the
 pair's content hashes (``pair``), so a reader of both splits can tell that they were
 written by the same prepare run (:func:`check_pair`).
+
+Beside ``data.mdb``, the writer leaves ``checksums.json``: the sha256 of every block of the
+finished file. :func:`verify_lmdb` compares the file with it, so a reader can refuse a
+database whose bytes changed after prepare wrote them (a flipped bit, a truncated copy)
+before it reads a record.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
+import os
 import shutil
 import struct
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 import lmdb
+
+from ganpipe.cpu import usable_cpus
+
+log = logging.getLogger(__name__)
 
 META_KEY = b"__meta__"
 FORMAT = "ganpipe-lmdb"
@@ -31,6 +44,21 @@ KEY_DIGITS = 8
 
 class DatasetError(ValueError):
     """An LMDB database is missing, incomplete or not ours; the message says what to run."""
+
+
+class DamagedDatasetError(DatasetError):
+    """A database's bytes differ from what prepare wrote (a flipped bit, a truncated or
+    overwritten file, a missing checksum file), or LMDB cannot read them. The message names
+    the database and both fixes: restore it from the DVC cache (``--force``: DVC does not
+    overwrite a modified output without it), or rebuild it."""
+
+
+def damaged(path: Path, what: str) -> DamagedDatasetError:
+    """The error for the database at ``path``, ``what`` saying what is wrong with it."""
+    return DamagedDatasetError(
+        f"{path}: {what}; restore it with `dvc checkout --force {path}`, or rebuild it with "
+        "`dvc repro -f prepare`"
+    )
 
 
 class WriteFailedError(DatasetError):
@@ -141,7 +169,8 @@ class LmdbWriter:
         return self._hash.hexdigest()
 
     def finish(self, meta: dict[str, Any]) -> None:
-        """Flush the records, then write ``meta`` (plus count and hash) as the last commit."""
+        """Flush the records, write ``meta`` (plus count and hash) as the last commit, then
+        the checksums of the closed file (:func:`write_checksums`)."""
         self._commit()
         meta = {**meta, "count": self.count, "content_sha256": self.content_sha256}
         self._pending.append((META_KEY, json.dumps(meta, sort_keys=True).encode()))
@@ -149,6 +178,7 @@ class LmdbWriter:
         with _writing(self.path):
             self._env.sync(True)
             self._env.close()
+            write_checksums(self.path)
 
     def disk_bytes(self) -> int:
         """Bytes the database takes on disk so far (allocated blocks)."""
@@ -160,6 +190,155 @@ class LmdbWriter:
             with suppress(lmdb.Error):  # closing after a failed write: the folder goes anyway
                 self._env.close()
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+# --- checksums: the bytes prepare wrote, verified where they are read ---------------------
+
+#: The file beside ``data.mdb`` that holds its checksums.
+CHECKSUMS_FILE = "checksums.json"
+CHECKSUMS_FORMAT = "ganpipe-lmdb-checksums"
+#: ``data.mdb`` is hashed in blocks of this size: blocks are hashed in parallel threads
+#: (hashlib and reads release the GIL), and a mismatch says where in the file it is.
+CHECKSUM_BLOCK_BYTES = 1 << 23
+
+
+def _data_file(path: Path) -> os.stat_result:
+    """``stat`` of ``path/data.mdb``; a missing one is a :class:`DatasetError`."""
+    try:
+        return (path / "data.mdb").stat()
+    except FileNotFoundError:
+        raise DatasetError(
+            f"{path} is not an LMDB database (no data.mdb); run `dvc repro prepare` first"
+        ) from None
+
+
+def _block_sha256(data_file: Path, size: int, block_bytes: int, workers: int) -> list[str]:
+    """The sha256 of each ``block_bytes`` block of the first ``size`` bytes of ``data_file``.
+
+    Plain reads (``pread``), never a memory map: reading a mapped page beyond the end of a
+    truncated file kills the process with SIGBUS, where a read just returns fewer bytes.
+    """
+    fd = os.open(data_file, os.O_RDONLY)
+    try:
+
+        def block(offset: int) -> str:
+            return hashlib.sha256(os.pread(fd, min(block_bytes, size - offset), offset)).hexdigest()
+
+        offsets = range(0, size, block_bytes)
+        with ThreadPoolExecutor(max(1, min(workers, len(offsets)))) as pool:
+            return list(pool.map(block, offsets))
+    finally:
+        os.close(fd)
+
+
+def write_checksums(path: Path, workers: int | None = None) -> None:
+    """Write ``checksums.json`` for the finished database at ``path`` (its file must no longer
+    change): the size of ``data.mdb`` and the sha256 of each of its blocks.
+
+    LMDB writes the same file for the same records, so the checksums are reproducible too.
+    """
+    size = _data_file(path).st_size
+    record = {
+        "format": CHECKSUMS_FORMAT,
+        "version": 1,
+        "file": "data.mdb",
+        "bytes": size,
+        "block_bytes": CHECKSUM_BLOCK_BYTES,
+        "sha256": _block_sha256(
+            path / "data.mdb", size, CHECKSUM_BLOCK_BYTES, workers or usable_cpus()
+        ),
+    }
+    with open(path / CHECKSUMS_FILE, "wb") as f:
+        f.write((json.dumps(record, indent=1) + "\n").encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_checksums(path: Path) -> dict[str, Any]:
+    """The checksum record of the database at ``path``, its fields checked."""
+    try:
+        raw = (path / CHECKSUMS_FILE).read_bytes()
+    except FileNotFoundError:
+        raise DamagedDatasetError(
+            f"{path} has no {CHECKSUMS_FILE}: it was written before ganpipe verified its data "
+            f"(rebuild it with `dvc repro -f prepare`), or the file was removed (restore it "
+            f"with `dvc checkout --force {path}`)"
+        ) from None
+    try:
+        record = json.loads(raw)
+    except ValueError as exc:
+        raise damaged(path, f"{CHECKSUMS_FILE} is not valid JSON ({exc})") from exc
+    fields_ok = (
+        isinstance(record, dict)
+        and record.get("format") == CHECKSUMS_FORMAT
+        and record.get("version") == 1
+        and record.get("file") == "data.mdb"
+        and _is_count(record.get("bytes"))
+        and _is_count(record.get("block_bytes"))
+        and record["block_bytes"] > 0
+        and isinstance(record.get("sha256"), list)
+        and len(record["sha256"]) == -(-record["bytes"] // record["block_bytes"])
+    )
+    if not fields_ok:
+        raise damaged(path, f"{CHECKSUMS_FILE} is not a {CHECKSUMS_FORMAT} version 1 record")
+    return record
+
+
+def verify_lmdb(path: Path, workers: int | None = None) -> None:
+    """Check that ``path/data.mdb`` holds exactly the bytes prepare wrote.
+
+    Every byte of the file counts (records, the meta record, LMDB's own meta and tree pages,
+    unused space), so a damage LMDB would not notice, or would meet with an error or a
+    crash, is found before any record is read. Reads are plain reads in blocks, hashed by
+    ``workers`` threads (default: :func:`ganpipe.cpu.usable_cpus`); a truncated file is an
+    error, never a SIGBUS. Nothing is written to the folder (DVC tracks it).
+
+    Args:
+        path: The database folder (``data/train.lmdb``).
+        workers: Threads hashing blocks.
+
+    Raises:
+        DatasetError: no database at ``path``.
+        DamagedDatasetError: no or unreadable ``checksums.json`` (a database written before
+            data verification), a size that differs, or blocks whose sha256 differs. The
+            message names the database, where it differs, and the fixes
+            (``dvc checkout --force PATH``, ``dvc repro -f prepare``).
+    """
+    began = time.perf_counter()
+    size = _data_file(path).st_size
+    record = _read_checksums(path)
+    if size != record["bytes"]:
+        how = "truncated" if size < record["bytes"] else "longer than it was"
+        raise damaged(
+            path, f"data.mdb has {size:,} bytes but prepare wrote {record['bytes']:,} ({how})"
+        )
+    block_bytes = record["block_bytes"]
+    found = _block_sha256(path / "data.mdb", size, block_bytes, workers or usable_cpus())
+    bad = [i for i, (a, b) in enumerate(zip(found, record["sha256"], strict=True)) if a != b]
+    if bad:
+        first = bad[0] * block_bytes
+        raise damaged(
+            path,
+            f"data.mdb differs from what prepare wrote in {len(bad)} of its {len(found)} "
+            f"blocks of {block_bytes:,} bytes (the first at bytes {first:,} to "
+            f"{min(first + block_bytes, size) - 1:,})",
+        )
+    log.info("verified %s (%s bytes) in %.2f s", path, f"{size:,}", time.perf_counter() - began)
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+@contextmanager
+def reading(path: Path) -> Iterator[None]:
+    """Turn an LMDB error while opening or reading the database at ``path`` into a
+    :class:`DamagedDatasetError`: a damaged page LMDB meets (one that :func:`verify_lmdb`
+    was not asked to look at) ends in the same one-line error as a failed verification."""
+    try:
+        yield
+    except lmdb.Error as exc:
+        text = str(exc).removeprefix(f"{path}: ")
+        raise damaged(path, f"LMDB cannot read it ({type(exc).__name__}: {text})") from exc
 
 
 #: Read-only environments of this process, by the identity of their data file.
@@ -174,19 +353,29 @@ def open_readonly(path: Path) -> lmdb.Environment:
     file. A child forked after the parent opened one inherits the handle and keeps using it:
     without a lock table, reading a read-only map of a file that is never written again
     shares no state with the parent (py-lmdb would refuse a second open in the child).
+
+    Raises:
+        DatasetError: no ``data.mdb`` at ``path``.
+        DamagedDatasetError: LMDB refuses the file, or the file ends before its last page
+            (a truncated file: reading its map beyond the end would kill the process with
+            SIGBUS).
     """
-    data_file = path / "data.mdb"
-    try:
-        stat = data_file.stat()
-    except FileNotFoundError:
-        raise DatasetError(
-            f"{path} is not an LMDB database (no data.mdb); run `dvc repro prepare` first"
-        ) from None
+    stat = _data_file(path)
     key = (stat.st_dev, stat.st_ino)
     if key not in _READERS:
-        _READERS[key] = lmdb.open(
-            str(path), readonly=True, lock=False, readahead=False, meminit=False, subdir=True
-        )
+        with reading(path):
+            env = lmdb.open(
+                str(path), readonly=True, lock=False, readahead=False, meminit=False, subdir=True
+            )
+            # LMDB reads its meta pages with plain reads; every other page through the map.
+            end = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        if stat.st_size < end:
+            env.close()
+            raise damaged(
+                path,
+                f"data.mdb has {stat.st_size:,} bytes but its pages reach byte {end:,} (truncated)",
+            )
+        _READERS[key] = env
     return _READERS[key]
 
 
@@ -196,8 +385,10 @@ def read_meta(path: Path) -> dict[str, Any]:
     Raises:
         DatasetError: missing folder, no meta record (an interrupted prepare), another
             format, or a record count that does not match the meta.
+        DamagedDatasetError: LMDB cannot read the file (see :func:`open_readonly`).
     """
-    with open_readonly(path).begin() as txn:
+    env = open_readonly(path)
+    with reading(path), env.begin() as txn:
         raw = txn.get(META_KEY)
         entries = txn.stat()["entries"]
     if raw is None:
