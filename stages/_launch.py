@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ganpipe import dist, runtime
 from ganpipe.data.store import verify_lmdb
+from ganpipe.errors import UserError
 from ganpipe.files import locked_dir
 from ganpipe.params import Params
 
@@ -31,7 +32,7 @@ PR_SET_PDEATHSIG = 1
 PARENT_PID_VAR = "GANPIPE_TORCHRUN_PID"
 
 
-class LaunchError(ValueError):
+class LaunchError(UserError):
     """A launch this machine cannot hold (too many processes for its cores or memory)."""
 
 

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from ganpipe import cpu
+from ganpipe.errors import UserError
 from ganpipe.files import (
     NO_SPACE_ERRNOS,
     TMP_MARK,
@@ -82,7 +83,7 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> Any:
     return torch.load(path, map_location=map_location, weights_only=True)
 
 
-class ModelFileError(ValueError):
+class ModelFileError(UserError):
     """A model file cannot be used: replaced, damaged, foreign, or not what its stage writes.
 
     The message names the file and the stage that writes it again.
@@ -192,7 +193,7 @@ MAGIC = b"ganpipe-checkpoint sha256="
 REQUIRED_KEYS = {"format", "fingerprint", "iteration", "images_seen", "g", "d", "g_ema"}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint (or another file of :func:`hashed_bytes`) is damaged or foreign."""
 
 

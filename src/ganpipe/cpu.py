@@ -37,6 +37,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from ganpipe.errors import UserError
 from ganpipe.params import DeterminismParams, DevicesParams
 
 #: The environment of the portable mode (``determinism.cpu_isa: portable``).
@@ -73,11 +74,11 @@ _pinned: str | None = None
 _pinned_gpus: list[int] | None = None
 
 
-class CpuError(ValueError):
+class CpuError(UserError):
     """This CPU cannot run the requested mode (a user error: the message names the fix)."""
 
 
-class GpuSelectionError(ValueError):
+class GpuSelectionError(UserError):
     """``devices.gpus`` contradicts the GPUs the environment already selects."""
 
 

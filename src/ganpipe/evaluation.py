@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from ganpipe import runtime
 from ganpipe.checkpoint import hashed_bytes, load, read_hashed, read_model_file, write_bytes_atomic
+from ganpipe.errors import UserError
 from ganpipe.featurenet import from_record
 from ganpipe.files import NoSpaceError
 from ganpipe.sampling import sample_labels, sample_latents, to_uint8
@@ -37,7 +38,7 @@ INCEPTION_SHA256_PREFIX = "6726825d"
 CACHE_MAGIC = b"ganpipe-feature-cache sha256="
 
 
-class ExtractorError(ValueError):
+class ExtractorError(UserError):
     """The feature extractor's weights are missing, altered or of the wrong kind."""
 
 

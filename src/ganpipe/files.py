@@ -15,6 +15,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from ganpipe.errors import UserError
+
 try:
     import fcntl
 except ImportError:  # not POSIX: no locking (see locked_dir)
@@ -31,10 +33,10 @@ OLD_MARK = ".old-"
 NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
-class NoSpaceError(ValueError):
+class NoSpaceError(UserError):
     """Writing failed for lack of space; the message says how much is needed, and where.
 
-    A ``ValueError`` so that the stages report it as a user error (one line, exit status 2).
+    A :class:`~ganpipe.errors.UserError`: the stages report it in one line, exit status 2.
     ``strerror`` is the system's reason (``No space left on device``, ``File too large``).
     """
 
@@ -94,7 +96,7 @@ def exchange(a: Path, b: Path) -> bool:
     raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(a))
 
 
-class OutputLinkError(ValueError):
+class OutputLinkError(UserError):
     """An output folder is a symbolic link that cannot be written through (dangling)."""
 
 
@@ -146,10 +148,10 @@ def remove_dir(final: Path) -> None:
     shutil.rmtree(os.path.realpath(final) if final.is_symlink() else final)
 
 
-class OutputsBusyError(ValueError):
+class OutputsBusyError(UserError):
     """Another process is writing the same outputs; the message names the folder and the pid.
 
-    A ``ValueError`` so that the stages report it as a user error (one line, exit status 2).
+    A :class:`~ganpipe.errors.UserError`: the stages report it in one line, exit status 2.
     """
 
 

@@ -41,6 +41,8 @@ from ruamel.yaml.events import (
     ScalarEvent,
 )
 
+from ganpipe.errors import UserError
+
 #: Image sizes the DCGAN family supports (4x4 core doubled until the output size).
 DCGAN_IMAGE_SIZES = (16, 32, 64)
 #: Image sizes the ResNet family supports (4x4 core, one residual block per doubling).
@@ -70,7 +72,7 @@ MAX_YAML_NODES = 10_000
 MAX_YAML_DEPTH = 16
 
 
-class ParamsError(ValueError):
+class ParamsError(UserError):
     """params.yaml is invalid. ``problems`` holds one ``(dotted_key, message)`` per problem."""
 
     def __init__(self, source: str, problems: list[tuple[str, str]]):

@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from ganpipe.errors import UserError
+
 RESAMPLE = Image.Resampling.BICUBIC
 IMAGE_EXTENSIONS = frozenset(
     {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm"}
@@ -33,7 +35,7 @@ IMAGE_EXTENSIONS = frozenset(
 MAX_LISTED_BAD = 20
 
 
-class BadImageError(Exception):
+class BadImageError(UserError):
     """Images that cannot be read or converted.
 
     ``name`` and ``reason`` are the first bad image's; ``bad`` lists every ``(name, reason)``.

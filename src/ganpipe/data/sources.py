@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ganpipe.data.convert import file_kind, is_image_name
+from ganpipe.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 MAX_IDX_BYTES = 1 << 31
 
 
-class SourceError(ValueError):
+class SourceError(UserError):
     """The dataset named in params cannot be read; the message names the key and the fix."""
 
 

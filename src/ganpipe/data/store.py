@@ -32,6 +32,7 @@ from typing import Any
 import lmdb
 
 from ganpipe.cpu import usable_cpus
+from ganpipe.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ LABEL = struct.Struct("<i")
 KEY_DIGITS = 8
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError):
     """An LMDB database is missing, incomplete or not ours; the message says what to run."""
 
 
