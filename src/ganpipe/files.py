@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import glob
+import hashlib
 import logging
 import os
 import shutil
@@ -28,6 +29,15 @@ TMP_MARK = ".tmp-"
 OLD_MARK = ".old-"
 #: The ``errno`` values of a write that failed for lack of space (disk full, quota reached).
 NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of the file ``path``, read in blocks of 1 MiB."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 class NoSpaceError(ValueError):

@@ -150,6 +150,12 @@ BAD_PARAMS = [
     ("data: 5", "data", "valid dictionary"),
     ("determinism: {deterministic: yes}", "determinism.deterministic", "write true or false"),
     ("seed: 1\nseed: 2", "(file)", "duplicate key"),
+    # train.init_from: a folder inside init/, the folder dvc.yaml's train stage depends on
+    ("train: {init_from: models}", "train.init_from", "is not a folder inside init/"),
+    ("train: {init_from: /tmp/m}", "train.init_from", "cp models/{generator,discriminator,g_"),
+    ("train: {init_from: init/../models}", "train.init_from", "set train.init_from: init/NAME"),
+    ("train: {init_from: init}", "train.init_from", "is not a folder inside init/"),
+    ("train: {xflip: 1}", "train.xflip", "valid boolean"),
     ("- a\n- b", "(top level)", "expected a mapping"),
 ]
 
@@ -355,3 +361,8 @@ def test_numbers_are_read_as_dvc_reads_them(tmp_path):
     params = load_params(path)
     assert params.train.lr_g == 0.001 and params.train.lr_d == 0.0002
     assert params.train.kimg == 5.0
+
+
+def test_init_from_is_kept_as_a_normalised_path():
+    assert parse_params({"train": {"init_from": "init//a/./b/"}}).train.init_from == "init/a/b"
+    assert Params().train.init_from is None
