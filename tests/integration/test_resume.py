@@ -603,6 +603,37 @@ def test_an_augmented_run_resumes_to_the_same_bytes(tmp_path, data_dir):
     assert any(not torch.equal(v, d_plain[k]) for k, v in whole.d.state_dict().items())
 
 
+def test_a_mirrored_run_resumes_to_the_same_bytes(tmp_path, data_dir):
+    """train.xflip's flips are functions of the seed and the batch: a mirrored run
+    interrupted and resumed ends with the bytes of one never stopped, which differ from
+    those of the same run unmirrored."""
+    train = {**RUN["train"], "kimg": 0.384, "n_critic": 2, "xflip": True}
+    raw = {**RUN, "train": train}
+    params = parse_params(raw)
+    dataset = LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True)
+    cpu = torch.device("cpu")
+    log_whole, log_resumed = Recorder(), Recorder()
+    whole = loop.train(params, dataset, cpu, log_whole, False, tmp_path / "a")
+    polls = {"n": 0}
+
+    def stop_after_3() -> bool:
+        polls["n"] += 1
+        return polls["n"] == 3
+
+    with pytest.raises(loop.TrainingInterrupted):
+        loop.train(params, dataset, cpu, None, False, tmp_path / "b", stop_after_3)
+    resumed = loop.train(params, dataset, cpu, log_resumed, False, tmp_path / "b")
+    plain = loop.train(
+        parse_params({**raw, "train": {**train, "xflip": False}}), dataset, cpu, progress=False
+    )
+    for name in ("g", "d", "g_ema"):
+        ours, theirs = getattr(whole, name).state_dict(), getattr(resumed, name).state_dict()
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), name
+    assert without_measurements(log_resumed.scalars) == without_measurements(log_whole.scalars)
+    d_plain = plain.d.state_dict()
+    assert any(not torch.equal(v, d_plain[k]) for k, v in whole.d.state_dict().items())
+
+
 def test_resuming_a_finished_run_logs_it_again(tmp_path, data_dir):
     params = parse_params({**RUN, "train": {**RUN["train"], "kimg": 0.64}})
     dataset = LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True)
