@@ -1,7 +1,8 @@
 """train: train G and D on data/train.lmdb.
 
 Inputs: params ``seed``, ``precision``, ``data``, ``devices``, ``determinism``, ``model``,
-``train``, ``generate.grid_rows``; ``data/train.lmdb``.
+``train``, ``generate.grid_rows``; ``data/train.lmdb``; with ``train.init_from``, the three
+model files of that folder in ``init/`` (fine-tuning; dvc.yaml depends on all of ``init/``).
 Outputs: ``models/generator.pt``, ``models/discriminator.pt``, ``models/g_ema.pt`` (each
 written atomically, with the numerics they were computed with); the training log
 ``metrics/train`` (dvclive: metrics.json, loss curves, progress grids).
