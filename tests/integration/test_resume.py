@@ -328,6 +328,7 @@ def test_only_what_changes_the_trained_bits_is_fingerprinted():
         parse_params({**RUN, "precision": "bf16"}),
         changed("model", norm="instance"),
         changed("train", grad_accum=2),
+        changed("train", xflip=True),
         changed("generate", grid_rows=3),  # the run's logged grids are that size
         changed("devices", nproc_per_node=2),
         changed("determinism", cpu_isa="native"),
