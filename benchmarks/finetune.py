@@ -34,7 +34,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +42,14 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from benchmarks.smalldata import curve, measure, reference, stage
+from benchmarks.smalldata import (
+    add_run_arguments,
+    curve,
+    measure,
+    reference,
+    short_commit,
+    stage,
+)
 from ganpipe.checkpoint import MODEL_FILES
 from ganpipe.data.sources import list_digits
 from stages.generate import load_generator
@@ -150,18 +156,13 @@ def main() -> None:
         nargs="+",
         help="FIDs to reach (default: the scratch run's final FID, 1.5 and 2 times it)",
     )
-    parser.add_argument("--jobs", type=int, default=1, help="runs training at the same time")
-    parser.add_argument("--threads", type=int, default=2, help="devices.cpu_threads of each run")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="the results file")
-    parser.add_argument("--table", action="store_true", help="print the results as markdown")
+    add_run_arguments(parser, RESULTS)
     args = parser.parse_args()
     if args.table:
         print(table(json.loads(args.results.read_text())))
         return
     torch.set_num_threads(args.threads)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    ).stdout.strip()
+    commit = short_commit()
     runs: list[dict] = []
 
     with tempfile.TemporaryDirectory() as tmp_name, ThreadPoolExecutor(args.jobs) as pool:

@@ -218,6 +218,22 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, results: Path) -> None:
+    """``--jobs``, ``--threads``, ``--results`` and ``--table``, as the training benchmarks
+    take them."""
+    parser.add_argument("--jobs", type=int, default=1, help="runs training at the same time")
+    parser.add_argument("--threads", type=int, default=2, help="devices.cpu_threads of each run")
+    parser.add_argument("--results", type=Path, default=results, help="the results file")
+    parser.add_argument("--table", action="store_true", help="print the results as markdown")
+
+
+def short_commit() -> str:
+    """The checked-out commit, abbreviated, for a results file."""
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -227,18 +243,13 @@ def main() -> None:
     parser.add_argument(
         "--merge", action="store_true", help="add to the runs already in the results file"
     )
-    parser.add_argument("--jobs", type=int, default=1, help="runs training at the same time")
-    parser.add_argument("--threads", type=int, default=2, help="devices.cpu_threads of each run")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="the results file")
-    parser.add_argument("--table", action="store_true", help="print the results as markdown")
+    add_run_arguments(parser, RESULTS)
     args = parser.parse_args()
     if args.table:
         print(table(json.loads(args.results.read_text())))
         return
     torch.set_num_threads(args.threads)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    ).stdout.strip()
+    commit = short_commit()
     runs: list[dict] = json.loads(args.results.read_text())["runs"] if args.merge else []
     chosen = [s for s in SETTINGS if s in args.settings or any(r["setting"] == s for r in runs)]
     saving = threading.Lock()
