@@ -37,7 +37,7 @@ import numpy as np
 from dvclive import Live
 
 from ganpipe import dist, runtime
-from ganpipe.checkpoint import run_fingerprint, save_atomic, write_bytes_atomic
+from ganpipe.checkpoint import init_files, run_fingerprint, save_atomic, write_bytes_atomic
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.loop import TrainingInterrupted, train
 from ganpipe.params import Params
@@ -192,6 +192,8 @@ def main(params: Params) -> None:
 
 def train_and_save(params: Params) -> None:
     """Train (resuming this run's newest checkpoint) and write the models and the logs."""
+    if params.train.init_from is not None:  # before torchrun: one error line, not one per rank
+        init_files(Path(params.train.init_from))
     context = join(params, "stages.train")
     try:
         dataset = LmdbImageDataset(TRAIN_LMDB, as_uint8=True)

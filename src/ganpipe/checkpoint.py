@@ -146,14 +146,19 @@ def init_files(directory: Path) -> dict[str, Path]:
     """
     files = {role: directory / name for role, name in MODEL_FILES.items()}
     missing = [path.name for path in files.values() if not path.is_file()]
+    where, names = directory.as_posix(), " ".join(MODEL_FILES.values())
+    fix = (
+        f"it needs all of {names} as the train stage writes them to models/ (`mkdir -p {where} "
+        f"&& cp models/{{{','.join(MODEL_FILES.values())}}} {where}/`), or set "
+        "train.init_from null"
+    )
+    if not directory.is_dir():
+        raise ModelFileError(f"train.init_from={where}: there is no folder {where}; {fix}")
     if missing:
-        held = "no such folder"
-        if directory.is_dir():
-            held = f"the folder holds {sorted(p.name for p in directory.iterdir()) or 'nothing'}"
+        held = sorted(p.name for p in directory.iterdir()) or "nothing"
         raise ModelFileError(
-            f"train.init_from={directory.as_posix()}: {', '.join(missing)} missing ({held}); "
-            f"it needs {', '.join(MODEL_FILES.values())} as the train stage writes them to "
-            "models/ (copy all three), or set train.init_from null"
+            f"train.init_from={where}: {', '.join(missing)} missing (the folder holds {held}); "
+            f"{fix}"
         )
     return files
 

@@ -111,6 +111,7 @@ def test_misfits_are_found_past_the_first_layer_and_load_nothing(
 @pytest.mark.parametrize(
     ("damage", "words"),
     [
+        ("no folder", f"there is no folder {INIT}; it needs all of generator.pt"),
         ("missing", "g_ema.pt missing (the folder holds ['discriminator.pt', 'generator.pt'])"),
         ("swapped", "discriminator.pt holds a generator, not a discriminator"),
         ("truncated", "generator.pt is not a file torch.save writes"),
@@ -121,7 +122,9 @@ def test_a_missing_or_foreign_file_is_named(
 ):
     root = fine_tune_project(tmp_path, data_dir, pretrained)
     init = root / INIT
-    if damage == "missing":
+    if damage == "no folder":
+        shutil.rmtree(init)
+    elif damage == "missing":
         (init / "g_ema.pt").unlink()
     elif damage == "swapped":
         shutil.copy(init / "generator.pt", init / "discriminator.pt")
