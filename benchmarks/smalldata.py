@@ -42,11 +42,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 import yaml
+from torch.utils.data import Subset
 
 from ganpipe import evaluation
 from ganpipe.checkpoint import read_checkpoint
@@ -67,7 +70,8 @@ EVAL_SEED, NUM_SAMPLES = 2024, 2000
 
 def stage(root: Path, name: str, params: dict) -> None:
     (root / "params.yaml").write_text(yaml.safe_dump(params))
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # src first: this checkout's ganpipe, where the venv's editable install is another's
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
     done = subprocess.run(
         [sys.executable, "-m", f"stages.{name}"], cwd=root, env=env, capture_output=True, text=True
     )
@@ -75,27 +79,26 @@ def stage(root: Path, name: str, params: dict) -> None:
         raise RuntimeError(f"stages.{name} failed in {root}:\n{done.stderr[-3000:]}")
 
 
-def reference(root: Path) -> tuple[torch.nn.Module, torch.Tensor]:
-    """The fixed feature network (trained on the full digits) and all digits' features."""
+def reference(
+    root: Path, classes: Collection[int] | None = None
+) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The fixed feature network (trained on the full digits) and all digits' features, or
+    those of the digits of ``classes`` only."""
     params = {"seed": 0, "determinism": {"cpu_isa": "native"}}
     stage(root, "prepare", params)
     stage(root, "featurenet", params)
     extractor = evaluation.load_featurenet(root / "models/featurenet.pt")
-    real = torch.cat(
-        [
-            evaluation.real_features(
-                extractor,
-                LmdbImageDataset(root / f"data/{split}.lmdb"),
-                "",
-                250,
-                torch.device("cpu"),
-                None,
-                progress=False,
-            )
-            for split in ("train", "val")
-        ]
-    )
-    return extractor, real
+    real = []
+    for split in ("train", "val"):
+        dataset = LmdbImageDataset(root / f"data/{split}.lmdb")
+        if classes is not None:
+            chosen = np.flatnonzero(np.isin(dataset.labels(), list(classes)))
+            dataset = Subset(dataset, chosen.tolist())
+        device = torch.device("cpu")
+        real.append(
+            evaluation.real_features(extractor, dataset, "", 250, device, None, progress=False)
+        )
+    return extractor, torch.cat(real)
 
 
 def train(root: Path, seed: int, setting: dict, kimg: float, every: float, threads: int) -> float:
@@ -215,6 +218,22 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, results: Path) -> None:
+    """``--jobs``, ``--threads``, ``--results`` and ``--table``, as the training benchmarks
+    take them."""
+    parser.add_argument("--jobs", type=int, default=1, help="runs training at the same time")
+    parser.add_argument("--threads", type=int, default=2, help="devices.cpu_threads of each run")
+    parser.add_argument("--results", type=Path, default=results, help="the results file")
+    parser.add_argument("--table", action="store_true", help="print the results as markdown")
+
+
+def short_commit() -> str:
+    """The checked-out commit, abbreviated, for a results file."""
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -224,18 +243,13 @@ def main() -> None:
     parser.add_argument(
         "--merge", action="store_true", help="add to the runs already in the results file"
     )
-    parser.add_argument("--jobs", type=int, default=1, help="runs training at the same time")
-    parser.add_argument("--threads", type=int, default=2, help="devices.cpu_threads of each run")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="the results file")
-    parser.add_argument("--table", action="store_true", help="print the results as markdown")
+    add_run_arguments(parser, RESULTS)
     args = parser.parse_args()
     if args.table:
         print(table(json.loads(args.results.read_text())))
         return
     torch.set_num_threads(args.threads)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    ).stdout.strip()
+    commit = short_commit()
     runs: list[dict] = json.loads(args.results.read_text())["runs"] if args.merge else []
     chosen = [s for s in SETTINGS if s in args.settings or any(r["setting"] == s for r in runs)]
     saving = threading.Lock()

@@ -2,7 +2,9 @@
 
 Inputs: params ``seed``, ``precision``, ``data``, ``devices``, ``determinism``, ``model``,
 ``train``, ``generate.grid_rows``; ``data/train.lmdb`` (verified against the checksums prepare
-wrote, :func:`ganpipe.data.store.verify_lmdb`, before anything else).
+wrote, :func:`ganpipe.data.store.verify_lmdb`, before anything else); with ``train.init_from``,
+the three model files of that folder in ``init/`` (fine-tuning; dvc.yaml depends on all of
+``init/``).
 Outputs: ``models/generator.pt``, ``models/discriminator.pt``, ``models/g_ema.pt`` (each
 written atomically, with the numerics they were computed with); the training log
 ``metrics/train`` (dvclive: metrics.json, loss curves, progress grids).
@@ -37,7 +39,7 @@ import numpy as np
 from dvclive import Live
 
 from ganpipe import dist, runtime
-from ganpipe.checkpoint import run_fingerprint, save_atomic, write_bytes_atomic
+from ganpipe.checkpoint import init_files, run_fingerprint, save_atomic, write_bytes_atomic
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.loop import TrainingInterrupted, train
 from ganpipe.params import Params
@@ -193,6 +195,8 @@ def main(params: Params) -> None:
 
 def train_and_save(params: Params) -> None:
     """Train (resuming this run's newest checkpoint) and write the models and the logs."""
+    if params.train.init_from is not None:  # before torchrun: one error line, not one per rank
+        init_files(Path(params.train.init_from))
     context = join(params, "stages.train")
     try:
         dataset = LmdbImageDataset(TRAIN_LMDB, as_uint8=True)

@@ -19,7 +19,8 @@ The operations are DiffAugment's three policies, written here for images in ``[-
 Every random number comes from the caller as a ``(batch, DRAWS)`` tensor of uniforms
 (:func:`draws`), a function of the seed, the global batch and the pass, sliced per rank like
 the latents: the same images get the same augmentation whatever the world size, micro-batch
-split or restart.
+split or restart. Mirroring (train.xflip, :func:`xflip`) is drawn the same way (:func:`flips`)
+but applies to the real images only, before D sees them: it changes the data, not D's view.
 """
 
 from __future__ import annotations
@@ -39,6 +40,19 @@ def draws(seed: int, batch: int, which: str, batch_size: int) -> torch.Tensor:
     """The uniforms of pass ``which`` of global batch ``batch`` (all ``batch_size`` images)."""
     generator = runtime.seeded_generator(seed, "augment", which, batch)
     return torch.rand(batch_size, DRAWS, generator=generator)
+
+
+def flips(seed: int, batch: int, batch_size: int) -> torch.Tensor:
+    """Which reals of global batch ``batch`` train.xflip mirrors: ``(batch_size,)`` booleans,
+    each true with probability 1/2, a function of the seed, the batch and the place in it."""
+    generator = runtime.seeded_generator(seed, "xflip", batch)
+    return torch.rand(batch_size, generator=generator) < 0.5
+
+
+def xflip(images: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
+    """``images`` (N, C, H, W) with those where ``flip`` (N booleans) is true mirrored left
+    to right. Reals only (StyleGAN2-ADA's --mirror): the mirrored set is the target."""
+    return torch.where(flip.view(-1, 1, 1, 1), images.flip(-1), images)
 
 
 class Augment:

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
+from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.data import Dataset
 
 from ganpipe import dist, runtime
 from ganpipe.augment import AdaptiveP, Augment
+from ganpipe.checkpoint import ModelFileError, init_files, read_model_file
 from ganpipe.dist import DistContext
 from ganpipe.ema import EmaGenerator
 from ganpipe.featurenet import classes_for
@@ -17,6 +22,10 @@ from ganpipe.losses import build_loss
 from ganpipe.nets import build_models
 from ganpipe.params import Params, TrainParams
 from ganpipe.strategies import Gan
+
+log = logging.getLogger(__name__)
+#: The kind of network each model file of a train.init_from folder holds (its record's ``net``).
+INIT_KINDS = {"g": "generator", "d": "discriminator", "g_ema": "generator"}
 
 
 def scaled_lr(lr: float, train: TrainParams) -> float:
@@ -49,8 +58,13 @@ def build_gan(
 ) -> tuple[Gan, EmaGenerator]:
     """G, D (DDP-wrapped when distributed), optimizers, loss, precision tools, EMA of G.
 
-    The weights are a function of ``params.seed`` only (the same on every rank);
-    ``num_classes`` (:func:`conditional_classes`) sizes a conditional model's embeddings.
+    The weights are a function of ``params.seed`` only (the same on every rank), or with
+    ``train.init_from`` those of its model files (:func:`start_from`); the optimizers start
+    afresh either way. ``num_classes`` (:func:`conditional_classes`) sizes a conditional
+    model's embeddings.
+
+    Raises:
+        ModelFileError: a ``train.init_from`` file is missing, damaged or of other shapes.
     """
     if isinstance(context, torch.device):
         context = DistContext(device=context)
@@ -64,6 +78,9 @@ def build_gan(
         num_classes=num_classes,
     )
     g_ema = EmaGenerator(g, cfg.ema_kimg)
+    if cfg.init_from is not None:  # before DDP's first broadcast, and the optimizers
+        nets = {"g": g, "d": d, "g_ema": g_ema.module}
+        start_from(Path(cfg.init_from), nets, _shape_settings(params, num_classes))
     g, d, g_ema = g.to(device), d.to(device), g_ema.to(device)
     on_gpu = device.type == "cuda"
     if on_gpu:  # NHWC convolutions: cuDNN's faster kernels (benchmarks/gpu.py measures them);
@@ -113,3 +130,94 @@ def adaptive_p(params: Params, gan: Gan, context: DistContext) -> AdaptiveP | No
     step = cfg.batch_size * cfg.n_critic / (cfg.augment_speed_kimg * 1000)
     per_rank = cfg.batch_size // context.world_size
     return AdaptiveP(gan.augment.p, cfg.augment_target, step, cfg.batch_size, per_rank)
+
+
+def _shape_settings(params: Params, num_classes: int | None) -> dict[str, Any]:
+    """The settings that shape the networks, as a model file records them (stages/train.py)."""
+    settings = {f"model.{k}": v for k, v in params.model.model_dump(mode="json").items()}
+    settings.update(
+        {
+            "data.image_size": params.data.image_size,
+            "data.channels": params.data.channels,
+            "num_classes": num_classes,
+        }
+    )
+    return settings
+
+
+def _record_settings(record: dict) -> dict[str, Any]:
+    settings = {f"model.{k}": v for k, v in record["model"].items()}
+    settings.update(
+        {
+            "data.image_size": record.get("image_size"),
+            "data.channels": record.get("channels"),
+            "num_classes": record.get("num_classes"),
+        }
+    )
+    return settings
+
+
+def _check_record(record: Any) -> dict:
+    """``record`` if it has the fields of the train stage's model files."""
+    if not isinstance(record, dict):
+        raise TypeError(f"it holds a {type(record).__name__}, not a model record")
+    missing = [k for k in ("net", "model", "state_dict") if k not in record]
+    if missing:
+        raise KeyError(f"no {', '.join(missing)}")
+    if not isinstance(record["state_dict"], dict) or not isinstance(record["model"], dict):
+        raise TypeError("its state_dict or model is not a mapping")
+    return record
+
+
+def first_difference(ours: dict[str, torch.Tensor], theirs: dict[str, Any]) -> str | None:
+    """The first tensor, in the network's order, that ``theirs`` lacks or holds in another
+    shape (then one it has beyond ``ours``), described; None when all names and shapes agree."""
+    for name, tensor in ours.items():
+        if name not in theirs:
+            return f"layer {name} (shape {list(tensor.shape)}) is not in the file"
+        shape = getattr(theirs[name], "shape", None)
+        if shape is None or tuple(shape) != tuple(tensor.shape):
+            found = list(shape) if shape is not None else type(theirs[name]).__name__
+            return f"layer {name} is {found} in the file, {list(tensor.shape)} in these params"
+    extra = [name for name in theirs if name not in ours]
+    if extra:
+        return f"the file has layer {extra[0]}, which these params do not make"
+    return None
+
+
+def start_from(directory: Path, nets: dict[str, nn.Module], settings: dict[str, Any]) -> None:
+    """Load ``nets`` (by role: ``g``, ``d``, ``g_ema``) from the train stage's model files in
+    the train.init_from folder ``directory`` (fine-tuning).
+
+    Every file is read and compared, name by name and shape by shape, before any weight is
+    copied: a misfit names the first layer that differs and leaves the networks as built.
+    ``settings`` (model.*, data.image_size, data.channels, num_classes of this run) are set
+    against the file's in that message.
+
+    Raises:
+        ModelFileError: a file is missing, damaged, of the wrong kind or of other shapes.
+    """
+    where = f"train.init_from={directory.as_posix()}"
+    states = {}
+    for role, path in init_files(directory).items():
+        fix = f"copy models/{path.name} of a finished run there again, or set train.init_from null"
+        record = read_model_file(path, _check_record, "train", fix=f"{where}: {fix}")
+        if record["net"] != INIT_KINDS[role]:
+            raise ModelFileError(
+                f"{where}: {path} holds a {record['net']}, not a {INIT_KINDS[role]}; {fix}"
+            )
+        difference = first_difference(nets[role].state_dict(), record["state_dict"])
+        if difference is not None:
+            theirs = _record_settings(record)
+            differ = [k for k in settings if settings[k] != theirs.get(k)]
+            made = ", ".join(f"{k}={theirs.get(k)}" for k in differ)
+            ours = ", ".join(f"{k}={settings[k]}" for k in differ)
+            hint = f" (the file was made with {made}; these params say {ours})" if differ else ""
+            raise ModelFileError(
+                f"{where}: {path} does not fit the networks of these params: {difference}{hint}; "
+                "set those params as the file was made, or start from a model of this shape"
+            )
+        states[role] = record["state_dict"]
+    for role, state in states.items():
+        nets[role].load_state_dict(state)
+    log.info("starting from the model files in %s (fine-tuning)", directory.as_posix())

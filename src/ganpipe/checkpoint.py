@@ -22,6 +22,7 @@ from ganpipe.files import (
     NO_SPACE_ERRNOS,
     TMP_MARK,
     NoSpaceError,
+    file_sha256,
     free_space_text,
     no_space_error,
     size_text,
@@ -93,7 +94,9 @@ class ModelFileError(UserError):
 Net = TypeVar("Net")
 
 
-def read_model_file(path: Path, build: Callable[[Any], Net], stage: str) -> Net:
+def read_model_file(
+    path: Path, build: Callable[[Any], Net], stage: str, fix: str | None = None
+) -> Net:
     """Load the model file ``path`` (:func:`load`) and ``build`` the network it describes.
 
     Whatever fails, torch's own message is not shown: it reads like a bug in ganpipe, and for
@@ -104,11 +107,13 @@ def read_model_file(path: Path, build: Callable[[Any], Net], stage: str) -> Net:
         build: Makes the network from the loaded record; any exception it raises (a missing
             key, a tensor of the wrong shape) means the file is not what ``stage`` writes.
         stage: The dvc.yaml stage that writes ``path``, named in the fix.
+        fix: What the message tells to do instead of rerunning ``stage`` (for a copy of a
+            stage's file that rerunning would not rewrite).
 
     Raises:
         ModelFileError: the file cannot be loaded or built from.
     """
-    fix = (
+    fix = fix or (
         f"run the {stage} stage again to rewrite it: `dvc repro {stage}` "
         f"(or `python -m stages.{stage}`)"
     )
@@ -138,6 +143,40 @@ def _describe(exc: BaseException, limit: int = 200) -> str:
     if len(text) > limit:
         text = text[: limit - 3] + "..."
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+#: The train stage's model files (in models/), by role; a train.init_from folder holds them too.
+MODEL_FILES = {"g": "generator.pt", "d": "discriminator.pt", "g_ema": "g_ema.pt"}
+
+
+def init_files(directory: Path) -> dict[str, Path]:
+    """The model files of the train.init_from folder ``directory``, by role (:data:`MODEL_FILES`).
+
+    Raises:
+        ModelFileError: one is missing; the message names it and what the folder holds.
+    """
+    files = {role: directory / name for role, name in MODEL_FILES.items()}
+    missing = [path.name for path in files.values() if not path.is_file()]
+    where, names = directory.as_posix(), " ".join(MODEL_FILES.values())
+    fix = (
+        f"it needs all of {names} as the train stage writes them to models/ (`mkdir -p {where} "
+        f"&& cp models/{{{','.join(MODEL_FILES.values())}}} {where}/`), or set "
+        "train.init_from null"
+    )
+    if not directory.is_dir():
+        raise ModelFileError(f"train.init_from={where}: there is no folder {where}; {fix}")
+    if missing:
+        held = sorted(p.name for p in directory.iterdir()) or "nothing"
+        raise ModelFileError(
+            f"train.init_from={where}: {', '.join(missing)} missing (the folder holds {held}); "
+            f"{fix}"
+        )
+    return files
+
+
+def init_sha256(directory: Path) -> dict[str, str]:
+    """sha256 of each model file of the train.init_from folder ``directory``, by file name."""
+    return {path.name: file_sha256(path) for path in init_files(directory).values()}
 
 
 # --- files with a sha256 header ---------------------------------------------------------
@@ -238,7 +277,9 @@ def run_fingerprint(
     """``(sha256, what it covers)`` of everything that changes the trained bits.
 
     Covered: ``seed``, ``precision``, the training set (its content hash ``dataset_sha256``,
-    and ``data.image_size`` / ``data.channels``, which shape the networks), the world size
+    and ``data.image_size`` / ``data.channels``, which shape the networks), the content of
+    the ``train.init_from`` model files (a run never resumes a fine-tune that started from
+    other weights), the world size
     and collective backend, ``determinism``, ``model``, ``train`` but
     :data:`NEUTRAL_TRAIN_KEYS`, ``generate.grid_rows`` (the progress grids of the run's log
     are that size: a resumed run must log what an uninterrupted one logs), the
@@ -270,6 +311,8 @@ def run_fingerprint(
         "libc": cpu.libc_version(),
         "code_sha256": code_digest(),
     }
+    if params.train.init_from is not None:
+        relevant["init_sha256"] = init_sha256(Path(params.train.init_from))
     text = json.dumps(relevant, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest(), relevant
 

@@ -27,7 +27,7 @@ from ganpipe import runtime
 from ganpipe.checkpoint import hashed_bytes, load, read_hashed, read_model_file, write_bytes_atomic
 from ganpipe.errors import UserError
 from ganpipe.featurenet import from_record
-from ganpipe.files import NoSpaceError
+from ganpipe.files import NoSpaceError, file_sha256
 from ganpipe.sampling import sample_labels, sample_latents, to_uint8
 
 log = logging.getLogger(__name__)
@@ -40,14 +40,6 @@ CACHE_MAGIC = b"ganpipe-feature-cache sha256="
 
 class ExtractorError(UserError):
     """The feature extractor's weights are missing, altered or of the wrong kind."""
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def load_featurenet(path: Path) -> nn.Module:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import glob
+import hashlib
 import logging
 import os
 import shutil
@@ -31,6 +32,15 @@ OLD_MARK = ".old-"
 #: The ``errno`` values of a write that failed for lack of space: disk full, quota reached,
 #: or the file-size limit (``ulimit -f``; Python ignores SIGXFSZ, so the write fails instead).
 NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of the file ``path``, read in blocks of 1 MiB."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 class NoSpaceError(UserError):

@@ -55,6 +55,10 @@ RESNET_RESOLUTIONS = (4, 8, 16, 32, 64, 128, 256)
 FAMILY_KEYS = {"dcgan": ("g_width", "d_width"), "resnet": ("g_channels", "d_channels")}
 #: The operations of train.augment (:mod:`ganpipe.augment`).
 AUGMENT_POLICIES = ("color", "translation", "cutout")
+#: The folder train.init_from must lie in. A DVC dependency cannot be conditional or null, so
+#: dvc.yaml's train stage depends on this whole folder: a model put there, or changed, reruns
+#: train (a run without init_from then resumes its own final checkpoint: same bytes).
+INIT_DIR = "init"
 
 #: Upper bound of every length and interval in kimg: a billion images. Without one, a value
 #: like 1e308 passes validation and overflows when the loop turns it into iterations.
@@ -419,6 +423,19 @@ class TrainParams(_Section):
     augment_speed_kimg: float = Field(100.0, gt=0, le=MAX_KIMG)
     """Adaptive strength: p moves by at most 1 per this many kimg (ADA uses 500 on runs of
     tens of thousands of kimg)."""
+    xflip: bool = False
+    """Mirror the real images: each one D sees is flipped left to right with probability 1/2,
+    drawn from the seed, the global batch and its place in the batch (StyleGAN2-ADA's
+    --mirror). The LMDB files, the validation split and the feature network stay as they
+    are: metrics with and without mirroring share one ruler. For data whose mirror images
+    are plausible (faces, scenes), not digits or text."""
+    init_from: str | None = Field(None, max_length=1024)
+    """Fine-tuning: start G, D and the EMA from the model files of an earlier run, a folder
+    inside init/ holding generator.pt, discriminator.pt and g_ema.pt as the train stage
+    writes them to models/ (e.g. init/digits04); the model and data.image_size /
+    data.channels params must make networks of the files' shapes. Optimizers, ADA's p and
+    the count of kimg start afresh; a checkpoint of the run itself still wins (resume).
+    null: random weights from seed."""
 
     @field_validator("augment")
     @classmethod
@@ -433,6 +450,22 @@ class TrainParams(_Section):
                 "without repeats (e.g. color+translation+cutout)"
             )
         return "+".join(names)
+
+    @field_validator("init_from")
+    @classmethod
+    def _inside_init_dir(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        parts = Path(value).parts
+        if Path(value).is_absolute() or ".." in parts or len(parts) < 2 or parts[0] != INIT_DIR:
+            raise ValueError(
+                f"train.init_from={value!r} is not a folder inside {INIT_DIR}/, the folder "
+                f"dvc.yaml's train stage depends on; put the model files there (e.g. `mkdir -p "
+                f"{INIT_DIR}/NAME && cp models/{{generator,discriminator,g_ema}}.pt "
+                f"{INIT_DIR}/NAME/`, or `dvc add {INIT_DIR}/NAME`) and set "
+                f"train.init_from: {INIT_DIR}/NAME"
+            )
+        return Path(value).as_posix()
 
     @model_validator(mode="after")
     def _adaptive_needs_a_policy(self) -> TrainParams:

@@ -121,8 +121,9 @@ class Stream:
 
     Iteration ``i`` makes ``train.n_critic`` D updates, each on its own global batch
     ``i * n_critic + k``; :meth:`next` returns this rank's share of those batches, with
-    their latents and (train.augment) augmentation draws, in order. Iterations must be
-    asked for one after another from ``start``.
+    their latents and (train.augment) augmentation draws, in order, the reals mirrored
+    where :func:`ganpipe.augment.flips` says (train.xflip). Iterations must be asked for one
+    after another from ``start``.
     """
 
     def __init__(
@@ -137,7 +138,7 @@ class Stream:
         cfg = params.train
         self.seed, self.n_critic, self.batch_size = params.seed, cfg.n_critic, cfg.batch_size
         self.z_dim, self.device = params.model.z_dim, context.device
-        self.augments = bool(cfg.augment_policy)
+        self.augments, self.mirrors = bool(cfg.augment_policy), cfg.xflip
         self.num_classes = num_classes
         """Classes of a conditional model (labels go with each batch); None: unconditional."""
         self.mine = context.local_slice(cfg.batch_size)
@@ -199,4 +200,7 @@ class Stream:
                 for which in augment.PASSES
             }
         real = to_device_images(images, self.device)
+        if self.mirrors:
+            flip = augment.flips(self.seed, index, self.batch_size)[self.mine]
+            real = augment.xflip(real, to_device(flip, self.device))
         return Batch(real, to_device(z, self.device), real_labels, fake, draws)

@@ -161,6 +161,26 @@ def test_two_processes_equal_one_process_with_the_whole_batch(
         assert ps[0] == ps[1] and len(values) > 1, ps
 
 
+def test_mirrored_two_processes_equal_one_process(tmp_path, data_dir):
+    """train.xflip: each rank mirrors its share of the global batch where that batch's
+    flips say, so two processes (with gradient accumulation) train as one does, and
+    differently from the same run unmirrored."""
+    mirrored = {"strategy": "d_first_detach", "n_critic": 2, "xflip": True}
+    one = project(tmp_path / "one", data_dir, train=mirrored)
+    two = project(
+        tmp_path / "two",
+        data_dir,
+        train={**mirrored, "grad_accum": 2},
+        devices={"nproc_per_node": 2},
+    )
+    plain = project(tmp_path / "plain", data_dir, train={**mirrored, "xflip": False})
+    for root in (one, two, plain):
+        result = train(root)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert max_difference(states(one), states(two)) < FLOAT_NOISE["dcgan"]
+    assert max_difference(states(one), states(plain)) > 100 * FLOAT_NOISE["dcgan"]
+
+
 def test_two_process_runs_are_bit_identical(tmp_path, data_dir):
     runs = []
     for name in ("a", "b"):

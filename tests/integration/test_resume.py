@@ -328,6 +328,7 @@ def test_only_what_changes_the_trained_bits_is_fingerprinted():
         parse_params({**RUN, "precision": "bf16"}),
         changed("model", norm="instance"),
         changed("train", grad_accum=2),
+        changed("train", xflip=True),
         changed("generate", grid_rows=3),  # the run's logged grids are that size
         changed("devices", nproc_per_node=2),
         changed("determinism", cpu_isa="native"),
@@ -599,6 +600,37 @@ def test_an_augmented_run_resumes_to_the_same_bytes(tmp_path, data_dir):
     assert min(ps) < 0.5 < max(ps), ps
     moves = [round(abs(b - a) / (32 / 500), 3) for a, b in itertools.pairwise([0.5, *ps])]
     assert all(m in (0, 1, 2) or p in (0, 1) for m, p in zip(moves, ps, strict=True)), ps
+    d_plain = plain.d.state_dict()
+    assert any(not torch.equal(v, d_plain[k]) for k, v in whole.d.state_dict().items())
+
+
+def test_a_mirrored_run_resumes_to_the_same_bytes(tmp_path, data_dir):
+    """train.xflip's flips are functions of the seed and the batch: a mirrored run
+    interrupted and resumed ends with the bytes of one never stopped, which differ from
+    those of the same run unmirrored."""
+    train = {**RUN["train"], "kimg": 0.384, "n_critic": 2, "xflip": True}
+    raw = {**RUN, "train": train}
+    params = parse_params(raw)
+    dataset = LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True)
+    cpu = torch.device("cpu")
+    log_whole, log_resumed = Recorder(), Recorder()
+    whole = loop.train(params, dataset, cpu, log_whole, False, tmp_path / "a")
+    polls = {"n": 0}
+
+    def stop_after_3() -> bool:
+        polls["n"] += 1
+        return polls["n"] == 3
+
+    with pytest.raises(loop.TrainingInterrupted):
+        loop.train(params, dataset, cpu, None, False, tmp_path / "b", stop_after_3)
+    resumed = loop.train(params, dataset, cpu, log_resumed, False, tmp_path / "b")
+    plain = loop.train(
+        parse_params({**raw, "train": {**train, "xflip": False}}), dataset, cpu, progress=False
+    )
+    for name in ("g", "d", "g_ema"):
+        ours, theirs = getattr(whole, name).state_dict(), getattr(resumed, name).state_dict()
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), name
+    assert without_measurements(log_resumed.scalars) == without_measurements(log_whole.scalars)
     d_plain = plain.d.state_dict()
     assert any(not torch.equal(v, d_plain[k]) for k, v in whole.d.state_dict().items())
 

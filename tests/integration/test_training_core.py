@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from ganpipe import build, dist, loop, runtime, stream
+from ganpipe import augment, build, dist, loop, runtime, stream
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.prepare import prepare_dataset
 from ganpipe.params import DataParams, parse_params
@@ -422,6 +422,29 @@ def test_the_resident_training_set_gives_the_loader_s_batches(digits16, caplog, 
     assert len(loaded) == len(resident) == 60  # n_critic global batches per iteration
     for (images, labels), (held_images, held_labels) in zip(loaded, resident, strict=True):
         assert torch.equal(images, held_images) and torch.equal(labels, held_labels)
+
+
+@pytest.mark.parametrize("resident_mb", [0, 1])
+def test_mirrored_batches_are_the_plain_ones_flipped_where_the_draws_say(digits16, resident_mb):
+    """train.xflip mirrors the reals of global batch k where flips(seed, k) is true, in each
+    rank's share of the batch as in the whole; latents and labels are untouched."""
+    dataset = LmdbImageDataset(digits16, as_uint8=True)
+    whole = dist.DistContext(device=torch.device("cpu"))
+    rank1 = dist.DistContext(1, 1, 2, torch.device("cpu"))
+    plain, mirrored = (tiny(n_critic=2, resident_mb=resident_mb, xflip=x) for x in (False, True))
+    flipped = 0
+    for it in (0, 3):
+        base = stream.Stream(plain, dataset, whole, it, it + 1).next(it)
+        ours = stream.Stream(mirrored, dataset, whole, it, it + 1).next(it)
+        half = stream.Stream(mirrored, dataset, rank1, it, it + 1).next(it)
+        for k, (b, o, h) in enumerate(zip(base, ours, half, strict=True)):
+            flips = augment.flips(mirrored.seed, it * 2 + k, 16)
+            for i in range(16):
+                expected = b.real[i].flip(-1) if flips[i] else b.real[i]
+                assert torch.equal(o.real[i], expected), (it, k, i)
+            assert torch.equal(h.real, o.real[8:]) and torch.equal(o.z, b.z)
+            flipped += int(flips.sum())
+    assert 0 < flipped < 4 * 16
 
 
 def test_only_an_lmdb_set_read_as_uint8_is_held_resident(digits16):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ganpipe import augment
+from ganpipe import augment, runtime
 from ganpipe.augment import Augment, color, cutout, translate
 from ganpipe.losses import bce_d, bce_g, build_loss
 from ganpipe.params import TrainParams, parse_params
@@ -66,6 +66,29 @@ def test_draws_are_a_function_of_seed_batch_and_pass():
         assert not torch.equal(same, other)
     assert not torch.equal(same, augment.draws(5, 7, "real", 16))
     assert same.shape == (16, augment.DRAWS) and same.min() >= 0 and same.max() < 1
+
+
+def test_xflip_mirrors_exactly_the_chosen_images_left_to_right():
+    x = torch.arange(3 * 2 * 2 * 3, dtype=torch.float32).view(3, 2, 2, 3)
+    out = augment.xflip(x, torch.tensor([True, False, True]))
+    # image 0, channel 1 is [[6, 7, 8], [9, 10, 11]]: its columns reversed
+    assert out[0, 1].tolist() == [[8.0, 7.0, 6.0], [11.0, 10.0, 9.0]]
+    assert out[2, 0].tolist() == [[26.0, 25.0, 24.0], [29.0, 28.0, 27.0]]
+    assert torch.equal(out[1], x[1])
+    assert torch.equal(augment.xflip(out, torch.tensor([True, False, True])), x)
+
+
+def test_flips_are_a_function_of_seed_batch_and_place():
+    """The flips define a mirrored run's data: pinned, so that a change to how they are
+    drawn (which would change every mirrored result) shows here."""
+    assert augment.flips(0, 0, 8).tolist() == [False, True, True, True, True, True, True, True]
+    assert augment.flips(3, 5, 8).tolist() == [False, True, False, True, False, False, False, False]
+    # what the draws are: uniforms below 1/2, from their own stream (not the augmentation's)
+    u = torch.rand(8, generator=runtime.seeded_generator(3, "xflip", 5))
+    assert torch.equal(augment.flips(3, 5, 8), u < 0.5)
+    assert not torch.equal(u, augment.draws(3, 5, "real", 8)[:, 0])
+    share = torch.cat([augment.flips(0, b, 64) for b in range(100)]).float().mean()
+    assert 0.45 < share < 0.55
 
 
 def test_gradients_flow_back_through_every_operation():

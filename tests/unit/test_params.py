@@ -150,6 +150,12 @@ BAD_PARAMS = [
     ("data: 5", "data", "valid dictionary"),
     ("determinism: {deterministic: yes}", "determinism.deterministic", "write true or false"),
     ("seed: 1\nseed: 2", "(file)", "duplicate key"),
+    # train.init_from: a folder inside init/, the folder dvc.yaml's train stage depends on
+    ("train: {init_from: models}", "train.init_from", "is not a folder inside init/"),
+    ("train: {init_from: /tmp/m}", "train.init_from", "cp models/{generator,discriminator,g_"),
+    ("train: {init_from: init/../models}", "train.init_from", "set train.init_from: init/NAME"),
+    ("train: {init_from: init}", "train.init_from", "is not a folder inside init/"),
+    ("train: {xflip: 1}", "train.xflip", "valid boolean"),
     ("- a\n- b", "(top level)", "expected a mapping"),
 ]
 
@@ -373,3 +379,8 @@ def test_each_pattern_mismatch_says_what_its_key_expects(tmp_path, section, valu
     assert expected in message and repr(value) in message
     other = "64 lowercase hex" if expected == "expected host:port" else "host:port"
     assert other not in message
+
+
+def test_init_from_is_kept_as_a_normalised_path():
+    assert parse_params({"train": {"init_from": "init//a/./b/"}}).train.init_from == "init/a/b"
+    assert Params().train.init_from is None
