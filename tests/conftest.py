@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from ganpipe import cpu
@@ -24,10 +27,11 @@ from ganpipe import runtime
 runtime.apply_cpu_numerics(Params().determinism)
 
 REPO = Path(__file__).resolve().parents[1]
-# `import prefect` (the flows) creates ~/.prefect unless PREFECT_HOME is set; `make test`
-# sets it, a bare `pytest` gets the same place. Prefect makes only the last folder.
-os.environ.setdefault("PREFECT_HOME", str(REPO / ".state" / "prefect"))
-Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+# `import prefect` (the flows) creates ~/.prefect unless PREFECT_HOME is set. The tests get a
+# home of their own, outside the repository (`make` points PREFECT_HOME at the user's
+# .state/prefect, which holds their server's database): removed when the session ends.
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="ganpipe-tests-prefect-")
+atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist has tagged the groups
