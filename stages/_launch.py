@@ -226,7 +226,7 @@ def join(params: Params, module: str) -> dist.DistContext:
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size != devices.world_size:
-        raise ValueError(
+        raise LaunchError(
             f"{world_size} processes were started but devices.nproc_per_node x devices.nnodes "
             f"= {devices.world_size}; let the stage launch torchrun itself"
         )

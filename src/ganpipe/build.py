@@ -17,6 +17,7 @@ from ganpipe.augment import AdaptiveP, Augment
 from ganpipe.checkpoint import ModelFileError, init_files, read_model_file
 from ganpipe.dist import DistContext
 from ganpipe.ema import EmaGenerator
+from ganpipe.errors import UserError
 from ganpipe.featurenet import classes_for
 from ganpipe.losses import build_loss
 from ganpipe.nets import build_models
@@ -45,7 +46,7 @@ def conditional_classes(params: Params, dataset: Dataset) -> int | None:
         return None
     classes = classes_for(dataset.class_counts())  # the feature network's rule: one source
     if classes < 2:
-        raise ValueError(
+        raise UserError(
             f"model.conditional=true needs at least 2 classes, but the training set has "
             f"{classes}; set model.conditional false, or use labelled data (data.source "
             "folder with one subfolder per class, digits, mnist or cifar10)"

@@ -36,6 +36,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import _SpectralNorm, spectral_norm
 from torch.utils.checkpoint import checkpoint
 
+from ganpipe.errors import UserError
 from ganpipe.params import (
     DCGAN_IMAGE_SIZES,
     RESNET_IMAGE_SIZES,
@@ -305,7 +306,7 @@ def _resolutions(low: int, high: int) -> list[int]:
 def _widths(channels_at: dict[int, int], resolutions: list[int], key: str, size: int) -> list[int]:
     missing = [r for r in resolutions if r not in channels_at]
     if size not in RESNET_IMAGE_SIZES or missing:
-        raise ValueError(
+        raise UserError(
             f"model.arch=resnet supports data.image_size "
             f"{', '.join(map(str, RESNET_IMAGE_SIZES))} with model.{key} "
             f"entries for {', '.join(map(str, resolutions))}; got image size {size} and "
@@ -471,7 +472,7 @@ def _num_classes_for(model: ModelParams, num_classes: int | None) -> int:
     if not model.conditional:
         return 0
     if num_classes is None or num_classes < 2:
-        raise ValueError(
+        raise UserError(
             f"model.conditional=true needs a dataset with at least 2 classes, but it has "
             f"{num_classes or 1} (the labels in data/train.lmdb's metadata); set "
             "model.conditional false or use labelled data (class folders, cifar10, mnist, digits)"

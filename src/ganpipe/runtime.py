@@ -60,19 +60,19 @@ def check_gpus(devices: DevicesParams) -> None:
     listed means the first missing one is at that position in the list.
 
     Raises:
-        ValueError: this process was not pinned to ``devices.gpus``, CUDA sees no GPU, a
+        GpuSelectionError: this process was not pinned to ``devices.gpus``, CUDA sees no GPU, a
             listed GPU does not exist, or there are more processes than GPUs.
     """
     gpus = devices.gpus
     if isinstance(gpus, list) and cpu.pinned_gpus() != gpus:
-        raise ValueError(
+        raise cpu.GpuSelectionError(
             f"devices.gpus={gpus} but this process did not select them before torch was "
             "imported (CUDA would number all GPUs); call "
             "ganpipe.cpu.pin_gpus(params.devices) first thing in the entry point (the stages "
             "do), or run the stage as `python -m stages.NAME`"
         )
     if gpus == []:
-        raise ValueError(
+        raise cpu.GpuSelectionError(
             f"devices.gpus=[] selects no GPU but devices.accelerator={devices.accelerator}; "
             "list GPUs in devices.gpus or use devices.accelerator=cpu"
         )
@@ -80,22 +80,22 @@ def check_gpus(devices: DevicesParams) -> None:
     if isinstance(gpus, list) and available < len(gpus):
         fix = "list this machine's GPUs with `nvidia-smi -L` and name existing ones"
         if available == 0:
-            raise ValueError(
+            raise cpu.GpuSelectionError(
                 f"devices.gpus={gpus} but CUDA sees none of them: this machine has no GPU "
                 f"{gpus[0]} (or no CUDA); {fix}, or use devices.accelerator=cpu"
             )
-        raise ValueError(
+        raise cpu.GpuSelectionError(
             f"devices.gpus={gpus} names GPU {gpus[available]}, which this machine lacks "
             f"(CUDA sees {available} of the {len(gpus)} listed); {fix}"
         )
     if available == 0:
-        raise ValueError(
+        raise cpu.GpuSelectionError(
             "devices.accelerator=cuda but CUDA is not available on this machine; "
             "use devices.accelerator=auto or cpu"
         )
     selected = len(gpus) if isinstance(gpus, list) else available
     if devices.nproc_per_node > selected:
-        raise ValueError(
+        raise cpu.GpuSelectionError(
             f"devices.nproc_per_node={devices.nproc_per_node} is more than the "
             f"{selected} GPU(s) selected by devices.gpus={gpus}; lower it"
         )
@@ -152,7 +152,7 @@ def apply_cpu_numerics(determinism: DeterminismParams) -> None:
     mode, pinned = determinism.cpu_isa, cpu.pinned_mode()
     if pinned != mode:
         how = "never pinned" if pinned is None else f"pinned to determinism.cpu_isa={pinned}"
-        raise ValueError(
+        raise cpu.CpuError(
             f"determinism.cpu_isa={mode} but this process was {how} before torch was "
             "imported; call ganpipe.cpu.pin(params.determinism, params.devices) first thing "
             "in the entry point (the stages do), or run the stage as `python -m stages.NAME`"
@@ -164,7 +164,7 @@ def apply_cpu_numerics(determinism: DeterminismParams) -> None:
         return
     capability, mkl = torch.backends.cpu.get_cpu_capability(), mkl_cbwr()
     if capability != "AVX2" or mkl not in (None, cpu.PORTABLE_ENV["MKL_CBWR"]):
-        raise ValueError(
+        raise cpu.CpuError(
             f"determinism.cpu_isa=portable but ATen runs its {capability} kernels and MKL's "
             f"reproducibility mode is {mkl}: the libraries read their settings before "
             "ganpipe.cpu.pin() set them"

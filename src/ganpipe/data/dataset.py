@@ -90,9 +90,9 @@ class LmdbImageDataset(Dataset):
             for row, index in enumerate(indices):
                 value = self._value(txn, index)
                 if len(value) != self._record_size:
-                    raise ValueError(
-                        f"{self.path}: record {index} has {len(value)} bytes, expected "
-                        f"{self._record_size}; rebuild it with `dvc repro prepare`"
+                    raise damaged(
+                        self.path,
+                        f"record {index} has {len(value)} bytes, expected {self._record_size}",
                     )
                 records[row] = np.frombuffer(value, dtype=np.uint8)
         labels = records[:, : LABEL.size].copy().view("<i4")[:, 0].tolist()

@@ -241,7 +241,7 @@ def _prepare_locked(
             len(listing),
         )
     if is_val.all():
-        raise ValueError(
+        raise DatasetError(
             f"data.val_fraction={data.val_fraction} leaves no training image out of "
             f"{len(listing)}; lower it"
         )
