@@ -1,10 +1,15 @@
 """train: train G and D on data/train.lmdb.
 
 Inputs: params ``seed``, ``precision``, ``data``, ``devices``, ``determinism``, ``model``,
-``train``, ``generate.grid_rows``; ``data/train.lmdb``.
-Outputs: ``models/generator.pt``, ``models/discriminator.pt``, ``models/g_ema.pt`` (each
-written atomically, with the numerics they were computed with); the training log
-``metrics/train`` (dvclive: metrics.json, loss curves, progress grids).
+``train``, ``generate.grid_rows``; ``data/train.lmdb``. With ``train.metrics_kimg`` > 0 (FID
+and KID while training, measured as the evaluate stage measures) also the ``eval`` keys of
+the measurement, ``data/val.lmdb`` and ``models/featurenet.pt`` (or the Inception weights
+of ``eval.inception_weights``); the real features are cached in ``.state/feature-cache/``.
+Outputs: ``models/generator.pt``, ``models/discriminator.pt``, ``models/g_ema.pt`` and
+``models/g_ema_best.pt`` (the EMA at the lowest FID measured while training; the final EMA
+without metrics), each written atomically, with the numerics they were computed with; the
+training log ``metrics/train`` (dvclive: metrics.json with ``best/kimg`` and ``best/fid``,
+loss and FID/KID curves, progress grids).
 Beside the outputs (git-ignored, not in dvc.lock: they are not reproducible bytes): the
 measured curves ``perf/*`` and where the run ran (``machine.json``) in
 ``measurements/train``; full-state checkpoints in ``checkpoints/<run>/`` (a rerun resumes
@@ -35,13 +40,16 @@ from pathlib import Path
 import numpy as np
 from dvclive import Live
 
-from ganpipe import dist, runtime
+from ganpipe import dist, evaluation, runtime
 from ganpipe.checkpoint import run_fingerprint, save_atomic, write_bytes_atomic
 from ganpipe.data.dataset import LmdbImageDataset
+from ganpipe.dist import DistContext
 from ganpipe.loop import TrainingInterrupted, train
 from ganpipe.params import Params
-from stages._cli import TRAIN_LMDB
+from ganpipe.trainmetrics import BEST_FID, Ruler
+from stages._cli import TRAIN_LMDB, VAL_LMDB
 from stages._launch import join, lock_outputs
+from stages.evaluate import CACHE, check_val_split, extractor_for
 
 log = logging.getLogger("stages.train")
 MODELS = Path("models")
@@ -51,6 +59,12 @@ LOG_DIR = "metrics/train"
 #: the stage's outputs (git-ignored), so that dvc.lock holds only reproducible bytes.
 MEASUREMENTS_DIR = "measurements/train"
 MEASURED_PREFIX = "perf/"
+#: Logged on every measurement, but a value of the run, not a curve: metrics.json only.
+SUMMARY_PREFIX = BEST_FID.split("/")[0] + "/"
+
+
+class MetricsError(ValueError):
+    """FID/KID while training cannot be measured with these params and this val split."""
 
 
 def open_log(directory: str) -> Live:
@@ -70,7 +84,7 @@ class DvcliveLogger:
             log_.step = images_seen
             for name, value in scalars.items():
                 if name.startswith(MEASURED_PREFIX) == keep:
-                    log_.log_metric(name, value)
+                    log_.log_metric(name, value, plot=not name.startswith(SUMMARY_PREFIX))
             log_.make_summary()
 
     def log_grid(self, images_seen: int, grid: np.ndarray) -> None:
@@ -169,6 +183,37 @@ def checkpoint_dir(params: Params, dataset_sha256: str, numerics: dict) -> tuple
     return run_dir, fingerprint
 
 
+def metrics_ruler(params: Params, context: DistContext, numerics: dict) -> Ruler | None:
+    """What FID/KID while training measure with (None with ``train.metrics_kimg`` 0): the
+    evaluate stage's extractor and val split, the real features from its cache; on the
+    main rank, the other ranks get the identity only.
+
+    Raises:
+        MetricsError: the val split has fewer images than ``eval.kid_subset_size``.
+    """
+    if params.train.metrics_kimg == 0:
+        return None
+    identity = extractor = real = None
+    if context.is_main:
+        check_val_split()
+        extractor = extractor_for(params)
+        val = LmdbImageDataset(VAL_LMDB)
+        if len(val) < params.eval.kid_subset_size:
+            raise MetricsError(
+                f"eval.kid_subset_size={params.eval.kid_subset_size} is more than the "
+                f"{len(val)} images of {VAL_LMDB} (KID while training, train.metrics_kimg="
+                f"{params.train.metrics_kimg}); lower it, raise data.val_fraction, or set "
+                "train.metrics_kimg 0"
+            )
+        text = json.dumps(numerics, sort_keys=True)
+        sha256 = val.meta["content_sha256"]
+        real = evaluation.real_features(
+            extractor, val, sha256, params.eval.batch_size, context.device, CACHE, numerics=text
+        )
+        identity = Ruler.describe(params, extractor.digest, sha256, text)
+    return Ruler(context.broadcast_object(identity), extractor, real)
+
+
 class StopRequest:
     """SIGTERM / SIGINT set a flag; the loop saves a checkpoint and stops cleanly."""
 
@@ -208,6 +253,7 @@ def train_and_save(params: Params) -> None:
             else None
         )
         run_dir, fingerprint = context.broadcast_object(run)
+        ruler = metrics_ruler(params, context, numerics)
         # The log starts afresh and the loop writes the resumed run's records again from
         # its checkpoint: dvclive's own files are not written atomically, a killed run can
         # leave a truncated metrics.json, and DVC clears the log before rerunning the stage.
@@ -216,6 +262,8 @@ def train_and_save(params: Params) -> None:
         stop = StopRequest()
         with live, measured:
             logger = DvcliveLogger(live, measured) if context.is_main else None
+            if context.is_main and ruler is not None:
+                live.summary["ruler"] = ruler.identity["ruler"]  # what the FIDs are measured in
             if context.is_main:
                 manifest = {
                     "run": Path(run_dir).name,
@@ -236,6 +284,7 @@ def train_and_save(params: Params) -> None:
                     run_dir=Path(run_dir),
                     should_stop=stop,
                     fingerprint=fingerprint,
+                    ruler=ruler,
                 )
             except TrainingInterrupted as exc:
                 if context.is_main:
@@ -246,13 +295,15 @@ def train_and_save(params: Params) -> None:
                     )
                 sys.exit(128 + (stop.signal or signal.SIGTERM))
         if context.is_main:
-            for name, net in (
-                ("generator", result.g),
-                ("discriminator", result.d),
-                ("g_ema", result.g_ema.module),
+            final = result.g_ema.module.state_dict()
+            best = final if result.best is None else result.best["state_dict"]
+            for name, kind, state_dict in (
+                ("generator", "generator", result.g.state_dict()),
+                ("discriminator", "discriminator", result.d.state_dict()),
+                ("g_ema", "generator", final),
+                ("g_ema_best", "generator", best),
             ):
-                kind = "discriminator" if name == "discriminator" else "generator"
-                record = model_record(params, kind, net.state_dict(), numerics, result.num_classes)
+                record = model_record(params, kind, state_dict, numerics, result.num_classes)
                 save_atomic(record, MODELS / f"{name}.pt")
         context.barrier()
     finally:
