@@ -34,6 +34,7 @@ TINY = {
         "optimizer": "sgd",
         "lr_g": 0.01,
         "lr_d": 0.01,
+        "metrics_kimg": 0,  # FID while training needs a feature network: see below
     },
     "generate": {"grid_rows": 2},
 }

@@ -39,6 +39,7 @@ RUN = {
         "log_every_kimg": 0.32,
         "snapshot_kimg": 100,
         "ema_kimg": 0.5,
+        "metrics_kimg": 0,  # FID while training needs a feature network: test_train_metrics
     },
     "generate": {"grid_rows": 2},
 }
