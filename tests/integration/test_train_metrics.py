@@ -165,6 +165,7 @@ def test_killed_and_resumed_it_ends_with_the_bytes_of_an_uninterrupted_run(
     assert summary(root)["best"] == summary(reference)["best"]
 
 
+@pytest.mark.slow
 def test_a_resumed_run_measured_with_another_ruler_drops_the_old_points(
     tmp_path, data_dir, featurenet, caplog
 ):
