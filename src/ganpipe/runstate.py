@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import logging
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -212,7 +213,7 @@ class Checkpointer:
     def measure(self, images_seen: int) -> dict[str, float]:
         """FID and KID of the EMA now, logged with the best point so far (kept with the
         EMA's weights when it is this one)."""
-        z_dim = self.params.model.z_dim
+        z_dim, began = self.params.model.z_dim, time.perf_counter()
         scores = self.ruler.measure(self.g_ema.module, self.context, z_dim, self.num_classes)
         progress, fid, kid = self.progress, scores[trainmetrics.FID], scores[trainmetrics.KID]
         if trainmetrics.is_better(fid, progress.best):
@@ -224,7 +225,10 @@ class Checkpointer:
         if progress.best is not None:
             record[trainmetrics.BEST_FID] = progress.best["fid"]
             record[trainmetrics.BEST_KIMG] = progress.best["images_seen"] / 1000
-        log.info("%.1f kimg: FID %.4f, KID %.5f", images_seen / 1000, fid, kid)
+        took = time.perf_counter() - began  # benchmarks/train_metrics.py adds these up
+        log.info(
+            "%.1f kimg: FID %.4f, KID %.5f (measured in %.2f s)", images_seen / 1000, fid, kid, took
+        )
         progress.history.append([images_seen, record])
         if self.logger is not None:
             self.logger.log_scalars(images_seen, record)

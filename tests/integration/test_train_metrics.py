@@ -167,7 +167,7 @@ def test_killed_and_resumed_it_ends_with_the_bytes_of_an_uninterrupted_run(
 
 @pytest.mark.slow
 def test_a_resumed_run_measured_with_another_ruler_drops_the_old_points(
-    tmp_path, data_dir, featurenet, caplog
+    tmp_path, data_dir, featurenet
 ):
     """Extended with another eval.seed, the curve restarts: two samplings in one curve
     would not be comparable, and the best snapshot would be chosen across them."""
