@@ -74,8 +74,9 @@ def train(
     One iteration makes ``train.n_critic`` D updates (each on its own global batch) and one
     G update; training stops once ``train.kimg`` thousand real images have been shown to D
     (counted over all ranks). Only the main rank logs; logged values are means over ranks.
-    Grids, FID/KID with ``ruler`` (every ``train.metrics_kimg``), checkpoints in ``run_dir``
-    and exact resume from them: see :class:`runstate.Checkpointer`. ``should_stop``
+    Grids, FID/KID with ``ruler`` (every ``train.metrics_kimg``; under DDP every rank passes
+    one, the main rank's with the extractor), checkpoints in ``run_dir`` and exact resume
+    from them: see :class:`runstate.Checkpointer`. ``should_stop``
     (SIGTERM / SIGINT) is polled every iteration by one process, at every log and
     checkpoint interval under DDP: the run saves a checkpoint and raises
     :class:`TrainingInterrupted`.

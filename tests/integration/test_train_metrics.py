@@ -17,30 +17,25 @@ from ganpipe.data.prepare import prepare_dataset
 from ganpipe.data.store import read_meta
 from ganpipe.params import DataParams
 from tests.helpers import run_stage, write_project
+from tests.integration import test_resume
 from tests.integration.test_resume import finish, kill_group, logged_values, newest, start
 
-#: A tiny DCGAN on the digits at 16 px, trained for 9.6 kimg at a high learning rate (its FID
-#: falls within seconds of training), measured every 0.96 kimg (10 points) on 200 samples
-#: against the 898 val images; a checkpoint at every second point.
+#: test_resume's tiny DCGAN on the digits at 16 px, trained for 9.6 kimg at a high learning
+#: rate (its FID falls within seconds of training), measured every 0.96 kimg (10 points) on
+#: 200 samples against the 898 val images; a checkpoint at every second point.
 RUN = {
-    "seed": 4,
-    "data": {"image_size": 16, "val_fraction": 0.5},
-    "devices": {"cpu_threads": 1, "timeout_s": 30},
-    "model": {"z_dim": 16, "g_width": 8, "d_width": 8, "norm": "batch"},
+    **test_resume.RUN,
     "train": {
-        "batch_size": 32,
+        **test_resume.RUN["train"],
         "kimg": 9.6,
         "lr_g": 1e-3,
         "lr_d": 1e-3,
         "checkpoint_kimg": 1.92,
         "keep_checkpoints": 100,
         "log_every_kimg": 0.96,
-        "snapshot_kimg": 100,
-        "ema_kimg": 0.5,
         "metrics_kimg": 0.96,
         "metrics_num_samples": 200,
     },
-    "generate": {"grid_rows": 2},
     "featurenet": {"width": 16, "epochs": 3},
     "eval": {"num_samples": 200, "kid_subsets": 10, "kid_subset_size": 50, "batch_size": 100},
 }
