@@ -189,14 +189,21 @@ def metrics_ruler(params: Params, context: DistContext, numerics: dict) -> Ruler
     main rank, the other ranks get the identity only.
 
     Raises:
-        MetricsError: the val split has fewer images than ``eval.kid_subset_size``.
+        MetricsError: the extractor is missing or altered, or the val split has fewer images
+            than ``eval.kid_subset_size``.
     """
     if params.train.metrics_kimg == 0:
         return None
     identity = extractor = real = None
     if context.is_main:
         check_val_split()
-        extractor = extractor_for(params)
+        try:
+            extractor = extractor_for(params)
+        except evaluation.ExtractorError as exc:
+            raise MetricsError(
+                f"{exc} (FID while training, train.metrics_kimg={params.train.metrics_kimg}; "
+                "or set train.metrics_kimg 0)"
+            ) from None
         val = LmdbImageDataset(VAL_LMDB)
         if len(val) < params.eval.kid_subset_size:
             raise MetricsError(
@@ -246,6 +253,7 @@ def train_and_save(params: Params) -> None:
                 f"data.channels={params.data.channels}; run `dvc repro prepare`"
             )
         numerics = runtime.numerics_record(params.determinism, params.devices, context.device)
+        ruler = metrics_ruler(params, context, numerics)  # before anything is written
         # Only rank 0 writes: logs, images and models. The others wait at the barrier.
         run = (
             checkpoint_dir(params, dataset.meta["content_sha256"], numerics)
@@ -253,7 +261,6 @@ def train_and_save(params: Params) -> None:
             else None
         )
         run_dir, fingerprint = context.broadcast_object(run)
-        ruler = metrics_ruler(params, context, numerics)
         # The log starts afresh and the loop writes the resumed run's records again from
         # its checkpoint: dvclive's own files are not written atomically, a killed run can
         # leave a truncated metrics.json, and DVC clears the log before rerunning the stage.

@@ -175,3 +175,13 @@ def test_a_resumed_run_measured_with_another_ruler_drops_the_old_points(
     assert [seen for seen, _ in curve(root, "metrics/fid")] == POINTS[1:2]
     assert summary(root)["best"]["kimg"] == 1.92
     assert [seen for seen, _ in curve(root, "loss/g")] == POINTS[:2]  # the rest of the log stays
+
+
+def test_without_a_feature_network_the_stage_says_what_to_run_before_training(tmp_path, data_dir):
+    root = write_project(tmp_path / "p", RUN, data_dir)
+    result = run_stage(root, "train")
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert "models/featurenet.pt" in line and "dvc repro featurenet" in line, line
+    assert "train.metrics_kimg 0" in line, line
+    assert not (root / "models").exists() and not list(root.glob("checkpoints/*/"))
