@@ -46,7 +46,7 @@ from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.dist import DistContext
 from ganpipe.loop import TrainingInterrupted, train
 from ganpipe.params import Params
-from ganpipe.trainmetrics import BEST_FID, Ruler
+from ganpipe.trainmetrics import BEST_PREFIX, Ruler
 from stages._cli import TRAIN_LMDB, VAL_LMDB
 from stages._launch import join, lock_outputs
 from stages.evaluate import CACHE, check_val_split, extractor_for
@@ -59,8 +59,6 @@ LOG_DIR = "metrics/train"
 #: the stage's outputs (git-ignored), so that dvc.lock holds only reproducible bytes.
 MEASUREMENTS_DIR = "measurements/train"
 MEASURED_PREFIX = "perf/"
-#: Logged on every measurement, but a value of the run, not a curve: metrics.json only.
-SUMMARY_PREFIX = BEST_FID.split("/")[0] + "/"
 
 
 class MetricsError(ValueError):
@@ -84,7 +82,8 @@ class DvcliveLogger:
             log_.step = images_seen
             for name, value in scalars.items():
                 if name.startswith(MEASURED_PREFIX) == keep:
-                    log_.log_metric(name, value, plot=not name.startswith(SUMMARY_PREFIX))
+                    # best/*: logged at every measurement, a value of the run, not a curve
+                    log_.log_metric(name, value, plot=not name.startswith(BEST_PREFIX))
             log_.make_summary()
 
     def log_grid(self, images_seen: int, grid: np.ndarray) -> None:

@@ -47,8 +47,6 @@ RESUME_KEYS = {
     "best",
     "measured_with",
 }
-#: Log keys of the metrics measured while training (dropped when the ruler changed).
-METRIC_PREFIXES = ("metrics/", "best/")
 
 
 class Checkpointer:
@@ -172,7 +170,8 @@ class Checkpointer:
             return history, best
         kept = []
         for seen, scalars in history:
-            rest = {k: v for k, v in scalars.items() if not k.startswith(METRIC_PREFIXES)}
+            measured = (trainmetrics.CURVE_PREFIX, trainmetrics.BEST_PREFIX)
+            rest = {k: v for k, v in scalars.items() if not k.startswith(measured)}
             if rest:
                 kept.append([seen, rest])
         if best is not None:

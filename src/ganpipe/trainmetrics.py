@@ -23,8 +23,10 @@ from ganpipe.params import Params
 
 log = logging.getLogger(__name__)
 
-#: Log keys of a measurement: the curves and the best point so far.
-FID, KID, BEST_FID, BEST_KIMG = "metrics/fid", "metrics/kid", "best/fid", "best/kimg"
+#: Log keys of a measurement: the curves, and the best point so far (values, not curves).
+CURVE_PREFIX, BEST_PREFIX = "metrics/", "best/"
+FID, KID = f"{CURVE_PREFIX}fid", f"{CURVE_PREFIX}kid"
+BEST_FID, BEST_KIMG = f"{BEST_PREFIX}fid", f"{BEST_PREFIX}kimg"
 
 
 @dataclass
