@@ -46,8 +46,11 @@ class Ruler:
         and val split) and the settings of the measurement."""
         cfg = params.eval
         return {
-            "ruler": {"featurenet_sha256": extractor_sha256, "val_sha256": val_sha256},
-            "extractor": cfg.feature_extractor,
+            "ruler": {
+                "extractor": cfg.feature_extractor,
+                "extractor_sha256": extractor_sha256,
+                "val_sha256": val_sha256,
+            },
             "num_samples": params.train.metrics_num_samples,
             "seed": cfg.seed,
             "batch_size": cfg.batch_size,

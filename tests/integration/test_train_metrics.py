@@ -103,8 +103,12 @@ def test_the_fid_curve_falls_and_the_best_snapshot_is_its_lowest_point(
     assert record["best"] == {"kimg": best_seen / 1000, "fid": best_fid}
     assert record["metrics"] == {"fid": fid[-1][1], "kid": kid[-1][1]}
     val_sha256 = read_meta(data_dir / "val.lmdb")["content_sha256"]
-    featurenet_sha256 = (featurenet / "featurenet.sha256").read_text().split()[0]
-    assert record["ruler"] == {"featurenet_sha256": featurenet_sha256, "val_sha256": val_sha256}
+    extractor_sha256 = (featurenet / "featurenet.sha256").read_text().split()[0]
+    assert record["ruler"] == {
+        "extractor": "featurenet",
+        "extractor_sha256": extractor_sha256,
+        "val_sha256": val_sha256,
+    }
     assert not (root / "metrics/train/plots/metrics/best").exists()  # values, not curves
 
     # models/g_ema_best.pt: the EMA of the checkpoint taken at the lowest point, in the
