@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 from dvclive import Live
 
-from ganpipe import dist, evaluation, runtime
+from ganpipe import dist, runtime
 from ganpipe.checkpoint import run_fingerprint, save_atomic, write_bytes_atomic
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.dist import DistContext
@@ -49,7 +49,6 @@ from ganpipe.params import Params
 from ganpipe.trainmetrics import BEST_PREFIX, Ruler
 from stages._cli import TRAIN_LMDB, VAL_LMDB
 from stages._launch import join, lock_outputs
-from stages.evaluate import CACHE, check_val_split, extractor_for
 
 log = logging.getLogger("stages.train")
 MODELS = Path("models")
@@ -193,6 +192,11 @@ def metrics_ruler(params: Params, context: DistContext, numerics: dict) -> Ruler
     """
     if params.train.metrics_kimg == 0:
         return None
+    # torchmetrics loads torchvision and torch._dynamo (seconds of start-up): only in runs
+    # that measure.
+    from ganpipe import evaluation
+    from stages.evaluate import CACHE, check_val_split, extractor_for
+
     identity = extractor = real = None
     if context.is_main:
         check_val_split()

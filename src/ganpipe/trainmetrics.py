@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ganpipe import evaluation
 from ganpipe.dist import DistContext
 from ganpipe.params import Params
 
@@ -68,6 +67,10 @@ class Ruler:
         ``devices.timeout_s``). The EMA is the same on every rank, so this is one process's
         value.
         """
+        # torchmetrics loads torchvision and torch._dynamo (seconds of start-up): only in
+        # runs that measure.
+        from ganpipe import evaluation
+
         scores = None
         if context.is_main:
             settings = self.identity
