@@ -4,13 +4,12 @@ The same functions as :mod:`ganpipe.evaluation` and the evaluate stage (generate
 of samples ``range(num_samples)`` from the latents of ``(eval.seed, i)``, torchmetrics'
 FID and seeded KID against the val split's features), so the curve is on the scale of
 ``metrics/eval/metrics.json``. Nothing here draws from a training RNG stream: the latents
-come from their own seeded generators and KID restores the global RNG it seeds, so a run
+come from their own seeded generators and KID restores the CPU generator it seeds, so a run
 with metrics trains the same bytes as one without.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 
@@ -19,8 +18,6 @@ from torch import nn
 
 from ganpipe.dist import DistContext
 from ganpipe.params import Params
-
-log = logging.getLogger(__name__)
 
 #: Log keys of a measurement: the curves, and the best point so far (values, not curves).
 CURVE_PREFIX, BEST_PREFIX = "metrics/", "best/"
