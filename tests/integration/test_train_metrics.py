@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import shutil
 import time
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
-from ganpipe import checkpoint
+from ganpipe import checkpoint, loop, runtime
 from ganpipe.checkpoint import load
+from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.prepare import prepare_dataset
 from ganpipe.data.store import read_meta
-from ganpipe.params import DataParams
+from ganpipe.params import DataParams, parse_params
+from ganpipe.trainmetrics import Ruler
 from tests.helpers import run_stage, write_project
 from tests.integration import test_resume
 from tests.integration.test_resume import finish, kill_group, logged_values, newest, start
@@ -189,3 +194,36 @@ def test_without_a_feature_network_the_stage_says_what_to_run_before_training(tm
     assert "models/featurenet.pt" in line and "dvc repro featurenet" in line, line
     assert "train.metrics_kimg 0" in line, line
     assert not (root / "models").exists() and not list(root.glob("checkpoints/*/"))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_measuring_draws_from_no_random_stream_of_training(data_dir, device):
+    """wgan_gp draws its interpolation weights from the device's global RNG every step (on a
+    GPU, CUDA's, which torch.manual_seed would reseed): a run that measures trains the bytes
+    of one that does not. The ruler here is a random projection: any extractor will do."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # as the train stage
+    raw = {
+        **RUN,
+        "devices": {"accelerator": device, "cpu_threads": 1},
+        "model": {**RUN["model"], "norm": "layer"},
+        "train": {**RUN["train"], "loss": "wgan_gp", "kimg": 0.64, "metrics_kimg": 0.32},
+        "eval": {"num_samples": 64, "kid_subsets": 2, "kid_subset_size": 32, "batch_size": 32},
+    }
+    raw["train"]["metrics_num_samples"] = 64
+    params = parse_params(raw)
+    extractor = nn.Sequential(nn.Flatten(), nn.Linear(16 * 16, 8))
+    extractor.digest = "a random projection"
+    real = torch.randn(100, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    ruler = Ruler(Ruler.describe(params, extractor.digest, "none", ""), extractor, real)
+    dataset = LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True)
+    results = []
+    for measured_with in (None, ruler):
+        runtime.configure_runtime(params.seed, params.devices, params.determinism)
+        on = runtime.resolve_device(params.devices)
+        assert on.type == device
+        results.append(loop.train(params, dataset, on, progress=False, ruler=measured_with))
+    plain, measured = results
+    assert plain.best is None and measured.best["images_seen"] in (320, 640)
+    for a, b in ((plain.g, measured.g), (plain.d, measured.d), (plain.g_ema, measured.g_ema)):
+        ours, theirs = a.state_dict(), b.state_dict()
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours)
