@@ -8,7 +8,7 @@ time of each, the overhead ``(with - without) / without`` and the time the measu
 themselves took (the sum of the ``measured in ... s`` log lines) as a share of the run.
 The issue's budget is 10% of the train stage's time.
 
-    python -m benchmarks.train_metrics [--runs 2] [--kimg 100]
+    python -m benchmarks.train_metrics [--runs 2] [--kimg 100] [--params params.yaml]
 
 Writes benchmarks/results/train_metrics.json.
 """
@@ -63,8 +63,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--kimg", type=float, default=None, help="train.kimg (default: params)")
+    parser.add_argument("--params", type=Path, default=REPO / "params.yaml")
     args = parser.parse_args()
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params = yaml.safe_load(args.params.read_text())
     if args.kimg is not None:
         params["train"]["kimg"] = args.kimg
     every = params["train"]["metrics_kimg"]
@@ -100,7 +101,7 @@ def main() -> None:
         json.dumps(
             {
                 "benchmark": "train_metrics",
-                "setup": f"params.yaml of this commit, train.kimg {params['train']['kimg']}, "
+                "setup": f"{args.params.name}, train.kimg {params['train']['kimg']}, "
                 f"metrics_kimg {every}, metrics_num_samples "
                 f"{params['train']['metrics_num_samples']}",
                 "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
