@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -20,8 +21,8 @@ from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.prepare import prepare_dataset
 from ganpipe.data.store import read_meta
 from ganpipe.params import DataParams, parse_params
-from ganpipe.trainmetrics import Ruler
-from tests.helpers import run_stage, write_project
+from ganpipe.trainmetrics import BEST_FID, BEST_KIMG, FID, KID, Ruler
+from tests.helpers import Recorder, run_stage, write_project
 from tests.integration import test_resume
 from tests.integration.test_resume import finish, kill_group, logged_values, newest, start
 
@@ -227,3 +228,42 @@ def test_measuring_draws_from_no_random_stream_of_training(data_dir, device):
     for a, b in ((plain.g, measured.g), (plain.d, measured.d), (plain.g_ema, measured.g_ema)):
         ours, theirs = a.state_dict(), b.state_dict()
         assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+class ScriptedRuler(Ruler):
+    """A ruler whose FIDs come from a script: the bookkeeping, whatever the measurement."""
+
+    def __init__(self, fids: list[float]):
+        super().__init__({"scripted": True})
+        self.fids = iter(fids)
+
+    def measure(self, g_ema, context, z_dim, num_classes):
+        return {FID: next(self.fids), KID: 0.0}
+
+
+def test_the_best_snapshot_is_the_ema_of_the_lowest_finite_point(tmp_path, data_dir):
+    """Not the last point, not a NaN (a diverged G), the earlier of two equal ones."""
+    raw = {**RUN, "train": {**RUN["train"], "kimg": 0.8, "metrics_kimg": 0.16}}
+    raw["train"].update(checkpoint_kimg=0.16, log_every_kimg=0.16)
+    params = parse_params(raw)
+    logger = Recorder()
+    result = loop.train(
+        params,
+        LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True),
+        torch.device("cpu"),
+        logger,
+        progress=False,
+        run_dir=tmp_path,
+        ruler=ScriptedRuler([math.nan, 3.0, 1.0, 2.0, 1.0]),
+    )
+    assert (result.best["images_seen"], result.best["fid"]) == (480, 1.0)
+    at_best = checkpoint.read_checkpoint(tmp_path / checkpoint.checkpoint_name(480))
+    ema = {k.removeprefix("module."): v for k, v in at_best["g_ema"].items()}
+    assert tensors_digest(result.best["state_dict"]) == tensors_digest(ema)
+    assert tensors_digest(result.best["state_dict"]) != tensors_digest(
+        result.g_ema.module.state_dict()
+    )
+    measured = [(seen, s) for seen, s in logger.scalars if FID in s]
+    assert [seen for seen, _ in measured] == [160, 320, 480, 640, 800]
+    assert [s.get(BEST_KIMG) for _, s in measured] == [None, 0.32, 0.48, 0.48, 0.48]
+    assert [s.get(BEST_FID) for _, s in measured][1:] == [3.0, 1.0, 1.0, 1.0]
