@@ -51,19 +51,21 @@ def extractor_for(params: Params) -> torch.nn.Module:
     return evaluation.load_featurenet(Path("models/featurenet.pt"))
 
 
-def check_val_split() -> None:
+def check_val_split(train_verified: bool = False) -> None:
     """Refuse a val split that is damaged, empty or not the pair of the train split beside
     it, if any.
 
     Only val's records are read, but the generator was trained on train: the two must come
     from one prepare run (see :func:`ganpipe.data.store.check_pair`). Each database read
-    here is verified first (:func:`stages._launch.verify_data`).
+    here is verified first (:func:`stages._launch.verify_data`), train's unless the caller
+    has just done so (``train_verified``).
     """
     verify_data(VAL_LMDB)
     val_meta = read_meta(VAL_LMDB)
     check_val_not_empty(val_meta, VAL_LMDB)
     if (TRAIN_LMDB / "data.mdb").exists():
-        verify_data(TRAIN_LMDB)
+        if not train_verified:
+            verify_data(TRAIN_LMDB)
         check_pair(read_meta(TRAIN_LMDB), val_meta, TRAIN_LMDB, VAL_LMDB)
 
 

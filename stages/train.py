@@ -4,10 +4,15 @@ Inputs: params ``seed``, ``precision``, ``data``, ``devices``, ``determinism``, 
 ``train``, ``generate.grid_rows``; ``data/train.lmdb`` (verified against the checksums prepare
 wrote, :func:`ganpipe.data.store.verify_lmdb`, before anything else); with ``train.init_from``,
 the three model files of that folder in ``init/`` (fine-tuning; dvc.yaml depends on all of
-``init/``).
-Outputs: ``models/generator.pt``, ``models/discriminator.pt``, ``models/g_ema.pt`` (each
-written atomically, with the numerics they were computed with); the training log
-``metrics/train`` (dvclive: metrics.json, loss curves, progress grids).
+``init/``). With ``train.metrics_kimg`` > 0 (FID and KID while training, measured as the
+evaluate stage measures) also the ``eval`` keys of the measurement, ``data/val.lmdb`` and
+``models/featurenet.pt`` (or the Inception weights of ``eval.inception_weights``); the real
+features are cached in ``.state/feature-cache/``.
+Outputs: ``models/generator.pt``, ``models/discriminator.pt``, ``models/g_ema.pt`` and
+``models/g_ema_best.pt`` (the EMA at the lowest FID measured while training; the final EMA
+without metrics), each written atomically, with the numerics they were computed with; the
+training log ``metrics/train`` (dvclive: metrics.json with ``best/kimg`` and ``best/fid``,
+loss and FID/KID curves, progress grids).
 Beside the outputs (git-ignored, not in dvc.lock: they are not reproducible bytes): the
 measured curves ``perf/*`` and where the run ran (``machine.json``) in
 ``measurements/train``; full-state checkpoints in ``checkpoints/<run>/`` (a rerun resumes
@@ -41,9 +46,12 @@ from dvclive import Live
 from ganpipe import dist, runtime
 from ganpipe.checkpoint import init_files, run_fingerprint, save_atomic, write_bytes_atomic
 from ganpipe.data.dataset import LmdbImageDataset
+from ganpipe.dist import DistContext
+from ganpipe.errors import UserError
 from ganpipe.loop import TrainingInterrupted, train
 from ganpipe.params import Params
-from stages._cli import TRAIN_LMDB
+from ganpipe.trainmetrics import BEST_PREFIX, Ruler
+from stages._cli import TRAIN_LMDB, VAL_LMDB
 from stages._launch import join, lock_outputs, verify_data
 
 log = logging.getLogger("stages.train")
@@ -54,6 +62,10 @@ LOG_DIR = "metrics/train"
 #: the stage's outputs (git-ignored), so that dvc.lock holds only reproducible bytes.
 MEASUREMENTS_DIR = "measurements/train"
 MEASURED_PREFIX = "perf/"
+
+
+class MetricsError(UserError):
+    """FID/KID while training cannot be measured with these params and this val split."""
 
 
 def open_log(directory: str) -> Live:
@@ -73,7 +85,8 @@ class DvcliveLogger:
             log_.step = images_seen
             for name, value in scalars.items():
                 if name.startswith(MEASURED_PREFIX) == keep:
-                    log_.log_metric(name, value)
+                    # best/*: logged at every measurement, a value of the run, not a curve
+                    log_.log_metric(name, value, plot=not name.startswith(BEST_PREFIX))
             log_.make_summary()
 
     def log_grid(self, images_seen: int, grid: np.ndarray) -> None:
@@ -172,6 +185,49 @@ def checkpoint_dir(params: Params, dataset_sha256: str, numerics: dict) -> tuple
     return run_dir, fingerprint
 
 
+def metrics_ruler(params: Params, context: DistContext, numerics: dict) -> Ruler | None:
+    """What FID/KID while training measure with (None with ``train.metrics_kimg`` 0): the
+    evaluate stage's extractor and val split, the real features from its cache; on the
+    main rank, the other ranks get the identity only.
+
+    Raises:
+        MetricsError: the extractor is missing or altered, or the val split has fewer images
+            than ``eval.kid_subset_size``.
+    """
+    if params.train.metrics_kimg == 0:
+        return None
+    # torchmetrics loads torchvision and torch._dynamo (seconds of start-up): only in runs
+    # that measure.
+    from ganpipe import evaluation
+    from stages.evaluate import CACHE, check_val_split, extractor_for
+
+    identity = extractor = real = None
+    if context.is_main:
+        check_val_split(train_verified=True)  # main() verified it before training
+        try:
+            extractor = extractor_for(params)
+        except evaluation.ExtractorError as exc:
+            raise MetricsError(
+                f"{exc} (FID while training, train.metrics_kimg={params.train.metrics_kimg}; "
+                "or set train.metrics_kimg 0)"
+            ) from None
+        val = LmdbImageDataset(VAL_LMDB)
+        if len(val) < params.eval.kid_subset_size:
+            raise MetricsError(
+                f"eval.kid_subset_size={params.eval.kid_subset_size} is more than the "
+                f"{len(val)} images of {VAL_LMDB} (KID while training, train.metrics_kimg="
+                f"{params.train.metrics_kimg}); lower it, raise data.val_fraction, or set "
+                "train.metrics_kimg 0"
+            )
+        text = json.dumps(numerics, sort_keys=True)
+        sha256 = val.meta["content_sha256"]
+        real = evaluation.real_features(
+            extractor, val, sha256, params.eval.batch_size, context.device, CACHE, numerics=text
+        )
+        identity = Ruler.describe(params, extractor.digest, sha256, text)
+    return Ruler(context.broadcast_object(identity), extractor, real)
+
+
 class StopRequest:
     """SIGTERM / SIGINT set a flag; the loop saves a checkpoint and stops cleanly."""
 
@@ -207,6 +263,7 @@ def train_and_save(params: Params) -> None:
                 f"data.channels={params.data.channels}; run `dvc repro prepare`"
             )
         numerics = runtime.numerics_record(params.determinism, params.devices, context.device)
+        ruler = metrics_ruler(params, context, numerics)  # before anything is written
         # Only rank 0 writes: logs, images and models. The others wait at the barrier.
         run = (
             checkpoint_dir(params, dataset.meta["content_sha256"], numerics)
@@ -222,6 +279,8 @@ def train_and_save(params: Params) -> None:
         stop = StopRequest()
         with live, measured:
             logger = DvcliveLogger(live, measured) if context.is_main else None
+            if context.is_main and ruler is not None:
+                live.summary["ruler"] = ruler.identity["ruler"]  # what the FIDs are measured in
             if context.is_main:
                 manifest = {
                     "run": Path(run_dir).name,
@@ -242,6 +301,7 @@ def train_and_save(params: Params) -> None:
                     run_dir=Path(run_dir),
                     should_stop=stop,
                     fingerprint=fingerprint,
+                    ruler=ruler,
                 )
             except TrainingInterrupted as exc:
                 if context.is_main:
@@ -252,13 +312,15 @@ def train_and_save(params: Params) -> None:
                     )
                 sys.exit(128 + (stop.signal or signal.SIGTERM))
         if context.is_main:
-            for name, net in (
-                ("generator", result.g),
-                ("discriminator", result.d),
-                ("g_ema", result.g_ema.module),
+            final = result.g_ema.module.state_dict()
+            best = final if result.best is None else result.best["state_dict"]
+            for name, kind, state_dict in (
+                ("generator", "generator", result.g.state_dict()),
+                ("discriminator", "discriminator", result.d.state_dict()),
+                ("g_ema", "generator", final),
+                ("g_ema_best", "generator", best),
             ):
-                kind = "discriminator" if name == "discriminator" else "generator"
-                record = model_record(params, kind, net.state_dict(), numerics, result.num_classes)
+                record = model_record(params, kind, state_dict, numerics, result.num_classes)
                 save_atomic(record, MODELS / f"{name}.pt")
         context.barrier()
     finally:

@@ -214,8 +214,8 @@ def read_hashed(path: Path, magic: bytes, map_location: Any = "cpu") -> Any:
 
 #: Training params that do not change the trained bits; a checkpoint survives changes to
 #: them: the length of training (a run extended with a larger ``kimg`` resumes from its last
-#: checkpoint), the intervals, worker processes, where the data is held and whether the
-#: step is replayed from a CUDA graph.
+#: checkpoint), the intervals, worker processes, where the data is held, whether the
+#: step is replayed from a CUDA graph, and the metrics measured while training.
 NEUTRAL_TRAIN_KEYS = {
     "kimg",
     "checkpoint_kimg",
@@ -225,6 +225,9 @@ NEUTRAL_TRAIN_KEYS = {
     "num_workers",
     "resident_mb",
     "cuda_graph",  # a replay is the eager iteration's kernels on the same memory
+    # measured on the EMA, outside every RNG stream of training
+    "metrics_kimg",
+    "metrics_num_samples",
 }
 CHECKPOINT_FORMAT = 2
 #: The header of a checkpoint file (see :func:`hashed_bytes`).

@@ -271,8 +271,9 @@ def kid(
 ) -> tuple[float, float]:
     """Kernel inception distance, mean and std over random subsets (torchmetrics).
 
-    torchmetrics draws the subsets from the global RNG; it is seeded here, so the value is a
-    function of the inputs and ``seed``.
+    torchmetrics draws the subsets from the global CPU RNG; it is seeded here and restored
+    afterwards, so the value is a function of the inputs and ``seed`` and no other random
+    stream moves.
     """
     with warnings.catch_warnings():  # "will save all extracted features": that is the point
         warnings.filterwarnings("ignore", message=".*save all extracted features")
@@ -284,12 +285,11 @@ def kid(
         )
     metric.update(real, real=True)
     metric.update(fake, real=False)
-    state = torch.get_rng_state()
-    torch.manual_seed(runtime.derive_seed(seed, "kid-subsets"))
-    try:
+    # The CPU generator only (torch.manual_seed would reseed every CUDA device's too, which
+    # a training run measured on a GPU draws from), restored afterwards.
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(runtime.derive_seed(seed, "kid-subsets"))
         mean, std = metric.compute()
-    finally:
-        torch.set_rng_state(state)
     return float(mean), float(std)
 
 

@@ -4,13 +4,12 @@ The loop only sequences one job each of: :mod:`ganpipe.build` (the GAN from the 
 :mod:`ganpipe.stream` (each iteration's batches and latents), :mod:`ganpipe.strategies`
 (one iteration's updates), :mod:`ganpipe.graphed` (that iteration captured in a CUDA graph
 on a GPU), :mod:`ganpipe.trainlog` (statistics and log records) and :mod:`ganpipe.runstate`
-(checkpoints and exact resume).
+(grids, metrics and the best snapshot, checkpoints and exact resume).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +23,10 @@ from ganpipe.build import adaptive_p, build_gan, conditional_classes
 from ganpipe.dist import DistContext
 from ganpipe.ema import EmaGenerator
 from ganpipe.params import Params
-from ganpipe.sampling import grid_labels, snapshot
-from ganpipe.strategies import STRATEGIES
-from ganpipe.stream import Stream, data_position, latents
+from ganpipe.strategies import STRATEGIES, Gan
+from ganpipe.stream import Stream
 from ganpipe.trainlog import Meter, TrainLogger
+from ganpipe.trainmetrics import Ruler
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +44,9 @@ class TrainResult:
     iterations: int
     skipped_steps: dict[str, int]
     """Optimizer steps the fp16 GradScalers skipped, per network (``g``, ``d``)."""
+    best: dict | None = None
+    """The lowest FID measured while training (``images_seen``, ``fid``, ``kid`` and the
+    EMA's ``state_dict`` then); None without metrics."""
 
 
 class TrainingInterrupted(Exception):
@@ -65,21 +67,19 @@ def train(
     run_dir: Path | None = None,
     should_stop: Callable[[], bool] | None = None,
     fingerprint: str = "",
+    ruler: Ruler | None = None,
 ) -> TrainResult:
     """Train G and D on ``dataset`` as ``params`` says, on one process or as one DDP rank.
 
     One iteration makes ``train.n_critic`` D updates (each on its own global batch) and one
     G update; training stops once ``train.kimg`` thousand real images have been shown to D
     (counted over all ranks). Only the main rank logs; logged values are means over ranks.
-
-    With ``run_dir``, a full-state checkpoint is written there every
-    ``train.checkpoint_kimg`` and at the end, and training resumes from the newest valid
-    one made with the same ``fingerprint`` (see :func:`checkpoint.run_fingerprint`):
-    batches and latents are functions of the step, RNG states are restored per rank, so a
-    resumed run ends with the same bytes as one never stopped, and the log up to the
-    checkpoint is written again before training goes on. ``should_stop`` (SIGTERM /
-    SIGINT) is polled every iteration by one process, at every log and checkpoint interval
-    under DDP: the run saves a checkpoint and raises :class:`TrainingInterrupted`.
+    Grids, FID/KID with ``ruler`` (every ``train.metrics_kimg``; under DDP every rank passes
+    one, the main rank's with the extractor), checkpoints in ``run_dir`` and exact resume
+    from them: see :class:`runstate.Checkpointer`. ``should_stop``
+    (SIGTERM / SIGINT) is polled every iteration by one process, at every log and
+    checkpoint interval under DDP: the run saves a checkpoint and raises
+    :class:`TrainingInterrupted`.
 
     Raises:
         ValueError: the batch does not fit the dataset.
@@ -91,7 +91,7 @@ def train(
     """
     if isinstance(context, torch.device):
         context = DistContext(device=context)
-    cfg, device = params.train, context.device
+    cfg = params.train
     if len(dataset) < cfg.batch_size:
         raise ValueError(
             f"train.batch_size={cfg.batch_size} is larger than the training set "
@@ -101,52 +101,18 @@ def train(
     gan, g_ema = build_gan(params, context, num_classes)
     ada = adaptive_p(params, gan, context)
     logger = logger if context.is_main else None
-    run, resumed = runstate.Progress(), None
-    if run_dir is not None:
-        run, resumed = runstate.resume(
-            gan, g_ema, context, run_dir, fingerprint, len(dataset), cfg.batch_size, cfg.n_critic
-        )
-        if resumed is not None:
-            runstate.replay(logger, run_dir, resumed)
-    start = run.iteration
+    keeper = runstate.Checkpointer(
+        params, gan, g_ema, context, len(dataset), num_classes, logger, run_dir, fingerprint, ruler
+    )
+    run = keeper.resume()
     # after resume: a CUDA graph captures the restored state, in place
     step = graphed.iteration(STRATEGIES[cfg.strategy], gan, params, context)
-    per_iteration = cfg.batch_size * cfg.n_critic
-
-    iterations = math.ceil(cfg.kimg * 1000 / per_iteration)
-    if start > iterations:
-        log.warning(
-            "the checkpoint has %d images, more than train.kimg=%s asks for; its "
-            "weights are used as they are",
-            start * per_iteration,
-            cfg.kimg,
-        )
-    log_every = max(1, round(cfg.log_every_kimg * 1000 / per_iteration))
-    snapshot_every = max(1, round(cfg.snapshot_kimg * 1000 / per_iteration))
-    checkpoint_every = max(1, round(cfg.checkpoint_kimg * 1000 / per_iteration))
+    start, iterations, per_iteration = run.iteration, keeper.iterations, keeper.per_iteration
     stream = Stream(params, dataset, context, start, iterations, num_classes)
     meter = Meter(params, context, run)
-    fixed_z = latents(params.seed, -1, params.generate.grid_rows**2, params.model.z_dim)
-    fixed_z = fixed_z.to(device)
-    fixed_y = None  # a conditional grid shows one class per row
-    if num_classes is not None:
-        fixed_y = grid_labels(params.generate.grid_rows, params.generate.grid_rows, num_classes)
-        fixed_y = fixed_y.to(device)
-    keeps_grids = context.is_main and (logger is not None or run_dir is not None)
-
     gan.g.train()
     gan.d.train()
-    bar = tqdm(
-        total=iterations * per_iteration,
-        initial=min(start, iterations) * per_iteration,
-        unit="img",
-        unit_scale=True,
-        desc="train",
-        disable=not (progress and context.is_main),
-        mininterval=1.0,
-        dynamic_ncols=True,
-    )
-    with bar:
+    with _progress_bar(iterations, start, per_iteration, progress and context.is_main) as bar:
         for it in range(start, iterations):
             stats = step(stream.next(it))
             if ada is not None:
@@ -156,57 +122,59 @@ def train(
             bar.update(per_iteration)
 
             done = run.iteration = it + 1
-            images_seen = done * per_iteration
-            at_log = done % log_every == 0 or done == iterations
-            at_checkpoint = run_dir is not None and (
-                done % checkpoint_every == 0 or done == iterations
-            )
-            # One process reads its own flag every step. Under DDP a read is an all-reduce
-            # (a wait for the slowest rank), so the ranks agree at log and checkpoint
-            # intervals only.
-            if should_stop is None:
-                stop = False
-            elif context.world_size == 1:
-                stop = should_stop()
-            else:
-                stop = (at_log or at_checkpoint) and context.any(should_stop())
+            at_log, at_checkpoint = keeper.due("log", done), keeper.due("checkpoint", done)
+            stop = _stop_requested(should_stop, context, at_log or at_checkpoint)
             if at_log:
                 # Two small all-reduces and one host sync per logging interval, none per step.
                 meter.check_finite(done, stats)
                 means = meter.record(done, gan)
                 if logger is not None:
-                    logger.log_scalars(images_seen, means)
+                    logger.log_scalars(done * per_iteration, means)
                 bar.set_postfix(
                     {"loss/d": f"{means['loss/d']:.3f}", "loss/g": f"{means['loss/g']:.3f}"},
                     refresh=False,
                 )
-            if keeps_grids and (done % snapshot_every == 0 or done == iterations):
-                grid = snapshot(g_ema, fixed_z, params.generate.grid_rows, fixed_y)
-                if logger is not None:
-                    logger.log_grid(images_seen, grid)
-                if run_dir is not None:
-                    runstate.save_grid(run_dir, images_seen, grid)
-            if at_checkpoint or (run_dir is not None and stop):
-                meter.check_finite(done, stats)  # never checkpoint a diverged state
-                if not runstate.weights_are_finite(gan, g_ema, context):
-                    raise FloatingPointError(
-                        f"non-finite weights after step {done} (train.strategy="
-                        f"{cfg.strategy}, train.loss={cfg.loss}, precision={params.precision});"
-                        " the last good checkpoint is kept; lower train.lr_g / train.lr_d"
-                    )
-                path = runstate.save(
-                    gan,
-                    g_ema,
-                    context,
-                    run_dir,
-                    cfg.keep_checkpoints,
-                    fingerprint,
-                    run,
-                    images_seen,
-                    data_position(done * cfg.n_critic, len(dataset), cfg.batch_size),
-                )
+            keeper.snapshot(done)  # grids and metrics, before a checkpoint that keeps them
+            if at_checkpoint or stop:
+                path = keeper.save(done, meter, stats)
             if stop:
-                raise TrainingInterrupted(images_seen, path if run_dir is not None else None)
+                raise TrainingInterrupted(done * per_iteration, path)
+    return _result(gan, g_ema, num_classes, iterations, per_iteration, run.best)
+
+
+def _progress_bar(iterations: int, start: int, per_iteration: int, show: bool) -> tqdm:
+    return tqdm(
+        total=iterations * per_iteration,
+        initial=min(start, iterations) * per_iteration,
+        unit="img",
+        unit_scale=True,
+        desc="train",
+        disable=not show,
+        mininterval=1.0,
+        dynamic_ncols=True,
+    )
+
+
+def _stop_requested(
+    should_stop: Callable[[], bool] | None, context: DistContext, at_interval: bool
+) -> bool:
+    """One process reads its own flag every step. Under DDP a read is an all-reduce (a wait
+    for the slowest rank), so the ranks agree at log and checkpoint intervals only."""
+    if should_stop is None:
+        return False
+    if context.world_size == 1:
+        return should_stop()
+    return at_interval and context.any(should_stop())
+
+
+def _result(
+    gan: Gan,
+    g_ema: EmaGenerator,
+    num_classes: int | None,
+    iterations: int,
+    per_iteration: int,
+    best: dict | None,
+) -> TrainResult:
     skipped = gan.skipped_steps()
     if any(skipped.values()):
         log.warning(
@@ -216,6 +184,7 @@ def train(
         )
     log.info("trained %d iterations, %.1f kimg", iterations, iterations * per_iteration / 1000)
     g, d = dist.unwrap(gan.g), dist.unwrap(gan.d)
+    images_seen = iterations * per_iteration
     return TrainResult(
-        g.cpu(), d.cpu(), g_ema.cpu(), num_classes, iterations * per_iteration, iterations, skipped
+        g.cpu(), d.cpu(), g_ema.cpu(), num_classes, images_seen, iterations, skipped, best
     )

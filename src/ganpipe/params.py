@@ -392,6 +392,16 @@ class TrainParams(_Section):
     log_every_kimg: float = Field(1.0, gt=0, le=MAX_KIMG)
     """Interval of scalar logging (losses, D outputs, images/s), in thousands of images; at
     most 1,000,000, as train.kimg."""
+    metrics_kimg: float = Field(10.0, ge=0, le=MAX_KIMG)
+    """Interval of FID and KID of EMA-G while training, in thousands of images (and at the
+    end); 0 = off. Measured as the evaluate stage measures (eval.feature_extractor, the val
+    split, eval.seed, eval.batch_size, eval.kid_subsets, eval.kid_subset_size) on
+    train.metrics_num_samples samples; the lowest FID's EMA is models/g_ema_best.pt. At most
+    1,000,000, as train.kimg."""
+    metrics_num_samples: int = Field(2000, ge=2, le=1_000_000)
+    """Generated images per FID/KID while training (with train.metrics_kimg); at least
+    eval.kid_subset_size. Equal to eval.num_samples, the last point is the evaluate stage's
+    FID of models/g_ema.pt."""
     activation_checkpointing: bool = False
     """Recompute each G and D block's activations in backward (torch.utils.checkpoint,
     non-reentrant) instead of storing them: less memory, one more forward per block."""
@@ -590,6 +600,7 @@ class Params(_Section):
     @model_validator(mode="after")
     def _sections_fit_together(self) -> Params:
         problems = _cross_section_problems(self.data, self.model, self.train, self.devices)
+        problems += _metrics_problems(self.train, self.eval)
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -655,6 +666,20 @@ def _cross_section_problems(
     return problems
 
 
+def _metrics_problems(train: TrainParams | None, eval_: EvalParams | None) -> list[str]:
+    """The in-training metrics (train.metrics_*) against the eval settings they share."""
+    if not (train and eval_ and train.metrics_kimg > 0):
+        return []
+    if eval_.kid_subset_size > train.metrics_num_samples:
+        return [
+            f"eval.kid_subset_size={eval_.kid_subset_size} is more than "
+            f"train.metrics_num_samples={train.metrics_num_samples} (KID while training); "
+            "raise train.metrics_num_samples, lower eval.kid_subset_size, or set "
+            "train.metrics_kimg 0"
+        ]
+    return []
+
+
 def _valid_or_none(section: type[_Section], raw: Any) -> Any:
     try:
         return section.model_validate(raw or {})
@@ -677,7 +702,9 @@ def _cross_section_problems_of_raw(raw: Mapping[str, Any]) -> list[tuple[str, st
             ("devices", DevicesParams),
         )
     ]
-    return [("(top level)", p) for p in _cross_section_problems(*sections)]
+    problems = _cross_section_problems(*sections)
+    problems += _metrics_problems(sections[2], _valid_or_none(EvalParams, raw.get("eval")))
+    return [("(top level)", p) for p in problems]
 
 
 def _fields_at(loc: tuple[Any, ...]) -> list[str]:

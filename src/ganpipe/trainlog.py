@@ -9,6 +9,7 @@ means over ranks and iterations that the logger receives.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -17,8 +18,25 @@ import torch
 from ganpipe import runtime
 from ganpipe.dist import DistContext
 from ganpipe.params import Params
-from ganpipe.runstate import Progress
 from ganpipe.strategies import Gan, Stats
+
+
+@dataclass
+class Progress:
+    """What a run carries from iteration to iteration besides the networks (what a
+    checkpoint of :mod:`ganpipe.runstate` keeps of it, to continue the log exactly)."""
+
+    iteration: int = 0
+    history: list = field(default_factory=list)
+    """Every logged record so far, ``[images_seen, scalars]``: replayed into the log on resume
+    (the metrics measured while training among them)."""
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per-step statistics summed since the last logged record (on the device)."""
+    last_log: int = 0
+    """The iteration of the last logged record."""
+    best: dict | None = None
+    """The lowest FID measured while training: ``images_seen``, ``fid``, ``kid`` and, on
+    the main rank, the EMA's ``state_dict`` (CPU) at that point; None before any."""
 
 
 class TrainLogger(Protocol):

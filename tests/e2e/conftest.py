@@ -19,7 +19,14 @@ TINY = {
     "data": {"image_size": 32},
     "devices": {"cpu_threads": 1},
     "model": {"z_dim": 8, "g_width": 4, "d_width": 4},
-    "train": {"batch_size": 16, "kimg": 0.128, "snapshot_kimg": 0.064, "log_every_kimg": 0.032},
+    "train": {
+        "batch_size": 16,
+        "kimg": 0.128,
+        "snapshot_kimg": 0.064,
+        "log_every_kimg": 0.032,
+        "metrics_kimg": 0.064,
+        "metrics_num_samples": 64,
+    },
     "generate": {
         "grid_rows": 2,
         "num_images": 4,

@@ -251,7 +251,9 @@ def test_page_renders_every_plot_and_image_offline(project, browser):
     assert {id_: sorted(steps) for id_, steps in shown.steps.items()} == {
         id_: sorted(c.steps) for id_, c in curves.items()
     }
-    assert all(set(c.steps) == {32, 64, 96, 128} for c in curves.values())
+    # logged every 0.032 kimg, FID and KID measured every 0.064 kimg (TINY)
+    for id_, curve in curves.items():
+        assert set(curve.steps) == ({64, 128} if id_ in ("fid", "kid") else {32, 64, 96, 128})
     for id_, curve in curves.items():
         texts = shown.texts[id_]
         assert texts["title"] == [curve.title], id_

@@ -27,7 +27,13 @@ TINY = {
     "data": {"image_size": 16, "val_fraction": 0.5},
     "devices": {"cpu_threads": 2},
     "model": {"z_dim": 8, "g_width": 8, "d_width": 8},
-    "train": {"batch_size": 32, "kimg": 0.32, "snapshot_kimg": 1, "log_every_kimg": 0.16},
+    "train": {
+        "batch_size": 32,
+        "kimg": 0.32,
+        "snapshot_kimg": 1,
+        "log_every_kimg": 0.16,
+        "metrics_kimg": 0,  # FID while training needs a feature network: test_train_metrics
+    },
     "generate": {"grid_rows": 2},
 }
 #: What a hostile environment sets: lower ISAs for oneDNN and ATen, another MKL branch.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ import torch
 from ganpipe.checkpoint import load
 from ganpipe.data.prepare import prepare_dataset
 from ganpipe.params import DataParams
+from tests import helpers
 from tests.helpers import descendants, stage_env, write_project
 
 pytestmark = pytest.mark.slow
@@ -34,6 +36,7 @@ TINY = {
         "optimizer": "sgd",
         "lr_g": 0.01,
         "lr_d": 0.01,
+        "metrics_kimg": 0,  # FID while training needs a feature network: see below
     },
     "generate": {"grid_rows": 2},
 }
@@ -179,6 +182,41 @@ def test_mirrored_two_processes_equal_one_process(tmp_path, data_dir):
         assert result.returncode == 0, result.stderr[-3000:]
     assert max_difference(states(one), states(two)) < FLOAT_NOISE["dcgan"]
     assert max_difference(states(one), states(plain)) > 100 * FLOAT_NOISE["dcgan"]
+
+
+#: FID/KID while training at every 0.16 kimg (2 points) on few samples, in a small feature
+#: network.
+MEASURED = {
+    "train": {"metrics_kimg": 0.16, "metrics_num_samples": 64},
+    "featurenet": {"width": 8, "epochs": 1},
+    "eval": {"num_samples": 64, "kid_subsets": 5, "kid_subset_size": 32, "batch_size": 32},
+}
+
+
+def test_fid_while_training_under_two_processes_equals_one_process(tmp_path, data_dir):
+    """Rank 0 measures while rank 1 waits: the curve, the best point and its snapshot are
+    one process's (the weights agree within float noise, so the values do too)."""
+    one = project(tmp_path / "one", data_dir, **MEASURED)
+    two = project(tmp_path / "two", data_dir, devices={"nproc_per_node": 2}, **MEASURED)
+    featurenet = helpers.run_stage(one, "featurenet")
+    assert featurenet.returncode == 0, featurenet.stderr[-3000:]
+    shutil.copytree(one / "models", two / "models")
+    for root in (one, two):
+        result = train(root)
+        assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads((root / "metrics/train/metrics.json").read_text()) for root in (one, two)]
+    for name in ("fid", "kid"):
+        tsv = f"metrics/train/plots/metrics/metrics/{name}.tsv"
+        rows = [
+            [line.split("\t") for line in (r / tsv).read_text().splitlines()[1:]]
+            for r in (one, two)
+        ]
+        assert [row[0] for row in rows[0]] == [row[0] for row in rows[1]] == ["160", "320"]
+        for row_one, row_two in zip(*rows, strict=True):
+            assert float(row_two[1]) == pytest.approx(float(row_one[1]), rel=1e-6, abs=1e-9)
+    assert records[0]["best"]["kimg"] == records[1]["best"]["kimg"]
+    bests = [load(root / "models/g_ema_best.pt")["state_dict"] for root in (one, two)]
+    assert max_difference({"best": bests[0]}, {"best": bests[1]}) < FLOAT_NOISE["dcgan"]
 
 
 def test_two_process_runs_are_bit_identical(tmp_path, data_dir):

@@ -27,7 +27,7 @@ RAW = {
     "data": {"image_size": 32},
     "devices": {"accelerator": "cuda"},
     "model": {"g_width": 16, "d_width": 16},
-    "train": {"batch_size": 32, "kimg": 0.64, "log_every_kimg": 0.32},
+    "train": {"batch_size": 32, "kimg": 0.64, "log_every_kimg": 0.32, "metrics_kimg": 0},
 }
 
 

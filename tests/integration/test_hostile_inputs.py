@@ -968,6 +968,7 @@ TINY_RUN = {
         "keep_checkpoints": 3,
         "log_every_kimg": 0.32,
         "snapshot_kimg": 100,
+        "metrics_kimg": 0,  # FID while training needs a feature network: test_train_metrics
     },
     "generate": {"grid_rows": 2},
 }

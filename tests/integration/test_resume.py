@@ -39,6 +39,7 @@ RUN = {
         "log_every_kimg": 0.32,
         "snapshot_kimg": 100,
         "ema_kimg": 0.5,
+        "metrics_kimg": 0,  # FID while training needs a feature network: test_train_metrics
     },
     "generate": {"grid_rows": 2},
 }
@@ -318,6 +319,7 @@ def test_only_what_changes_the_trained_bits_is_fingerprinted():
         changed("featurenet", epochs=2),
         changed("generate", seed=7, num_images=3),
         changed("train", keep_checkpoints=1, snapshot_kimg=1, num_workers=1),
+        changed("train", metrics_kimg=1, metrics_num_samples=500),  # measured on the EMA
         changed("devices", accelerator="cpu", gpus=[0], timeout_s=60),  # cpu, as auto here
         changed("data", on_bad_image="skip"),  # the training set's hash stands for the data
     ]

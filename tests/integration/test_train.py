@@ -32,6 +32,7 @@ TINY = {
         "snapshot_kimg": 0.08,
         "log_every_kimg": 0.032,
         "ema_kimg": 0.05,
+        "metrics_kimg": 0,  # FID while training needs a feature network: test_train_metrics
     },
     "generate": {"grid_rows": 3},
 }

@@ -36,6 +36,8 @@ def test_every_curve_group_has_a_title_axis_labels_and_the_line_template():
     groups = [next(iter(entry.items())) for entry in spec["plots"]]
     assert [name for name, _ in groups] == [
         "losses",
+        "fid",
+        "kid",
         "d_outputs",
         "d_real_sign",
         "augment_p",
