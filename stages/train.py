@@ -81,10 +81,16 @@ class DvcliveLogger:
 
 
 def model_record(
-    params: Params, net: str, state_dict: dict, numerics: dict, num_classes: int | None = None
+    params: Params,
+    net: str,
+    state_dict: dict,
+    numerics: dict,
+    num_classes: int | None = None,
+    images_seen: int | None = None,
 ) -> dict:
-    """What a model file holds: enough to rebuild the network without params.yaml, and the
-    numerics it was computed with (:func:`ganpipe.runtime.numerics_record`);
+    """What a model file holds (:mod:`ganpipe.modelfile`): enough to rebuild the network
+    without params.yaml, the numerics it was computed with
+    (:func:`ganpipe.runtime.numerics_record`) and ``images_seen``, how far training went;
     ``num_classes`` for a class-conditional model only (an unconditional record is as before)."""
     record = {
         "net": net,
@@ -96,6 +102,8 @@ def model_record(
     }
     if num_classes is not None:
         record["num_classes"] = num_classes
+    if images_seen is not None:
+        record["images_seen"] = images_seen
     return record
 
 
@@ -258,7 +266,9 @@ def train_and_save(params: Params) -> None:
                 ("g_ema", result.g_ema.module),
             ):
                 kind = "discriminator" if name == "discriminator" else "generator"
-                record = model_record(params, kind, net.state_dict(), numerics, result.num_classes)
+                record = model_record(
+                    params, kind, net.state_dict(), numerics, result.num_classes, result.images_seen
+                )
                 save_atomic(record, MODELS / f"{name}.pt")
         context.barrier()
     finally:
