@@ -163,10 +163,11 @@ def check_fits(
 
 
 def describe(path: Path) -> dict[str, Any]:
-    """What a model file says about itself, for ``ganpipe info``: its network (architecture,
-    resolution, channels, classes), how far it was trained (``kimg``), its number of
-    parameters and the numerics it was computed with; the network is rebuilt from the file
-    (so a file that loads here is one the pipeline can use).
+    """What a model file says about itself, for ``ganpipe info``: its network (``net``,
+    ``arch``, ``image_size``, ``channels``, ``num_classes``: None when unconditional), how far
+    it was trained (``kimg``: None in files older than the record of it), its number of
+    parameters, then the rest of the record (``model``, ``numerics``...) but the weights. The
+    network is rebuilt from the file, so a file described here is one the pipeline can use.
 
     Raises:
         FileNotFoundError: there is no file at ``path``.
@@ -177,11 +178,16 @@ def describe(path: Path) -> dict[str, Any]:
         raise FileNotFoundError(f"{path} is missing; name a model file (models/g_ema.pt...)")
     stage = "featurenet" if path.name.startswith("featurenet") else "train"
     record, net = read_model_file(path, lambda record: (record, _build_any(record)), stage)
-    info = {key: value for key, value in record.items() if key != "state_dict"}
-    images_seen = record.get("images_seen")
-    info["kimg"] = None if images_seen is None else images_seen / 1000
+    info: dict[str, Any] = {"file": str(path), "net": record["net"]}
+    if "model" in record:
+        info["arch"] = record["model"]["arch"]
+    info["image_size"], info["channels"] = record["image_size"], record["channels"]
+    info["num_classes"] = record.get("num_classes")
+    if record["net"] != "featurenet":  # trained in epochs of its own, not in kimg
+        info["kimg"] = None if record.get("images_seen") is None else record["images_seen"] / 1000
     info["num_parameters"] = sum(p.numel() for p in net.parameters())
-    return {"file": str(path), **info}
+    rest = {key: value for key, value in record.items() if key not in {*info, "state_dict"}}
+    return {**info, **rest}
 
 
 def _build_any(record: dict) -> nn.Module:

@@ -149,15 +149,25 @@ def info(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(described, indent=2))
         return
-    if "image_size" in described:
-        described["resolution"] = f"{described['image_size']}x{described['image_size']}"
-    if described.get("kimg") is None:
-        described["kimg"] = "not recorded (a file from before ganpipe recorded it)"
+    shown: dict[str, object] = {}
     for key, value in described.items():
-        shown = json.dumps(value, sort_keys=True) if isinstance(value, dict | list) else value
-        if key == "num_parameters":
-            shown = f"{value:,}"
-        print(f"{key + ':':<16}{shown}")
+        if key == "image_size":
+            shown["resolution"] = f"{value}x{value} px"
+        elif key == "num_classes" and value is None:
+            shown[key] = "none (unconditional)"
+        elif key == "kimg" and value is None:
+            shown[key] = "not recorded (a file from before ganpipe recorded it)"
+        elif key == "num_parameters":
+            shown[key] = f"{value:,}"
+        else:
+            shown[key] = value
+    for key, value in shown.items():
+        if isinstance(value, dict):
+            print(f"{key}:")
+            for inner, item in value.items():
+                print(f"  {inner + ':':<22}{json.dumps(item) if isinstance(item, dict) else item}")
+        else:
+            print(f"{key + ':':<16}{value}")
 
 
 def build_parser() -> argparse.ArgumentParser:
