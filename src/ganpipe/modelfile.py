@@ -67,8 +67,8 @@ def read_generator(path: Path) -> GeneratorFile:
 
 
 def _build_generator(path: Path, record: dict) -> GeneratorFile:
-    if record.get("net") != "generator":
-        raise TypeError(f"it holds a {record.get('net')!r} network, not a generator")
+    if record.get("net", "generator") != "generator":  # a discriminator's file, say
+        raise TypeError(f"it holds a {record['net']!r} network, not a generator")
     model = ModelParams(**record["model"])
     num_classes = record.get("num_classes")
     g = build_generator(model, record["image_size"], record["channels"], num_classes=num_classes)

@@ -149,6 +149,10 @@ def test_user_errors_are_one_line_and_exit_2(project, tmp_path):
             "error: models/g_ema.pt or models/g_ema.sha256 is missing"
         ),
         ("info", "params.yaml"): "error: params.yaml is not a file torch.save writes",
+        ("generate", "--model", "models/discriminator.pt", "--seeds", "0", "--out", "x"): (
+            "error: models/discriminator.pt is not a model file of the train stage (TypeError: "
+            "it holds a 'discriminator' network, not a generator)"
+        ),
     }  # fmt: skip
     for args, start in cases.items():
         result = ganpipe_cmd(project, *args)
