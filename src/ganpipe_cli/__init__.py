@@ -25,11 +25,13 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from ganpipe import cpu
 from ganpipe.data.convert import BadImageError
 from ganpipe.data.sources import SourceError
 from ganpipe.data.store import DatasetError
-from ganpipe.params import Params, ParamsError, load_params
+from ganpipe.params import GenerateParams, Params, ParamsError, load_params
 
 #: Errors caused by the user's params, files or command line: one message, exit status 2.
 #: The stage entry points (stages/_cli.py) report the same.
@@ -73,6 +75,22 @@ def parse_seeds(text: str) -> list[int]:
     return list(indices)
 
 
+def parse_truncation(text: str) -> float:
+    """``--truncation``: a number in the range of ``generate.truncation``.
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, or out of that range (0 would never end:
+            every latent value would be redrawn forever).
+    """
+    try:
+        return GenerateParams(truncation=float(text)).truncation
+    except ValidationError as exc:
+        reason = exc.errors()[0]["msg"].lower()
+        raise argparse.ArgumentTypeError(f"{text!r}: {reason} (as generate.truncation)") from None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number") from None
+
+
 def _pinned_params(path: Path | None) -> Params:
     """The params of ``--params`` (or the defaults), with the CPU numerics and GPUs they
     choose pinned before torch loads (:func:`ganpipe.cpu.pin`, as ``stages._cli.pin_cpu``)."""
@@ -97,6 +115,8 @@ def generate(args: argparse.Namespace) -> None:
     from ganpipe.modelfile import read_generator
     from ganpipe.sampling import sample_pngs
 
+    if args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out {args.out} is a file; name a folder for the images")
     device = _device(params)
     generator = read_generator(args.model)
     if args.class_ is not None:
@@ -208,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--truncation",
-        type=float,
+        type=parse_truncation,
         help="redraw latent values beyond +-T (default: generate.truncation)",
     )
     gen.add_argument(

@@ -5,6 +5,7 @@ feature network it is evaluated with is refused before any work, by the stage an
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import importlib
 import json
@@ -27,7 +28,7 @@ from ganpipe.featurenet import FeatureNet, FeaturenetResult, record
 from ganpipe.nets import build_models
 from ganpipe.params import DataParams, FeaturenetParams, Params, parse_params
 from ganpipe.sampling import generate, sample_latents, to_uint8
-from ganpipe_cli import build_parser, parse_seeds
+from ganpipe_cli import build_parser, parse_seeds, parse_truncation
 from stages.train import model_record
 from tests.conftest import REPO, dir_digest
 from tests.helpers import run_stage, stage_env, write_project
@@ -170,6 +171,17 @@ def test_seeds_are_indices_in_order_each_once():
     for bad in ("", "a", "1-", "-3", "3-1", "0-2000000"):
         with pytest.raises(Exception, match="expected sample indices|ends before|more than"):
             parse_seeds(bad)
+
+
+def test_truncation_has_the_range_of_generate_truncation():
+    assert parse_truncation("0.7") == 0.7
+    for bad, reason in (
+        ("0", "greater than 0"),
+        ("11", "less than or equal to 10"),
+        ("x", "a number"),
+    ):
+        with pytest.raises(argparse.ArgumentTypeError, match=reason):
+            parse_truncation(bad)  # 0 would redraw every latent value forever
 
 
 def test_the_console_script_names_an_importable_callable():
