@@ -111,6 +111,7 @@ def _device(params: Params):
 def generate(args: argparse.Namespace) -> None:
     """Write samples ``--seeds`` of ``--model`` into ``--out``."""
     params = _pinned_params(args.params)
+    # Imported here, after the pins: these load torch, whose libraries read them once.
     from ganpipe.checkpoint import write_bytes_atomic
     from ganpipe.modelfile import read_generator
     from ganpipe.sampling import sample_pngs
@@ -147,7 +148,7 @@ def generate(args: argparse.Namespace) -> None:
 def evaluate(args: argparse.Namespace) -> None:
     """Score ``--model`` against ``--data`` in ``--featurenet``'s space; print the record."""
     params = _pinned_params(args.params)
-    from ganpipe import runtime, scoring
+    from ganpipe import runtime, scoring  # after the pins, as in generate()
     from ganpipe.checkpoint import write_bytes_atomic
     from ganpipe.dist import DistContext
 
@@ -191,6 +192,7 @@ def info(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``ganpipe``: one sub-command per function above."""
     parser = argparse.ArgumentParser(
         prog="ganpipe", description="Sample, score and inspect ganpipe model files."
     )
