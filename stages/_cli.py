@@ -9,16 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ganpipe import cpu
+from ganpipe.errors import USER_ERRORS
 from ganpipe.params import Params, load_params
-from ganpipe_cli import USER_ERRORS
 
 #: The splits the prepare stage writes (dvc.yaml outs), read by featurenet, train, evaluate.
 TRAIN_LMDB = Path("data/train.lmdb")
 VAL_LMDB = Path("data/val.lmdb")
-
-# USER_ERRORS, the errors caused by the user's params or files (one message, exit status 2),
-# are defined with the ``ganpipe`` command, which shares them and must be importable without
-# this repository's stages/.
 
 
 def _parser(description: str | None = None, add_help: bool = True) -> argparse.ArgumentParser:

@@ -13,7 +13,7 @@ It calls the library functions the stages call (:func:`ganpipe.sampling.sample_p
 :func:`ganpipe.scoring.score`, :func:`ganpipe.modelfile.describe`), pins the CPU numerics
 before torch loads as the stages do (the params of ``--params FILE``, else the defaults, so
 the bits are the stages'), and reports user errors as they do: one ``error:`` line and exit
-status 2 (:data:`USER_ERRORS`). Nothing here imports torch at module level.
+status 2 (:data:`ganpipe.errors.USER_ERRORS`). Nothing here imports torch at module level.
 """
 
 from __future__ import annotations
@@ -28,27 +28,14 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ganpipe import cpu
-from ganpipe.data.convert import BadImageError
-from ganpipe.data.sources import SourceError
-from ganpipe.data.store import DatasetError
-from ganpipe.params import GenerateParams, Params, ParamsError, load_params
+from ganpipe.errors import USER_ERRORS, UserError
+from ganpipe.params import GenerateParams, Params, load_params
 
-#: Errors caused by the user's params, files or command line: one message, exit status 2.
-#: The stage entry points (stages/_cli.py) report the same.
-USER_ERRORS = (
-    ParamsError,
-    SourceError,
-    DatasetError,
-    BadImageError,
-    ValueError,
-    FileNotFoundError,
-    FloatingPointError,
-)
 #: Most images one ``ganpipe generate`` draws (as ``generate.num_images``).
 MAX_IMAGES = 1_000_000
 
 
-class UsageError(ValueError):
+class UsageError(UserError):
     """A command-line value does not fit the model file (``--class`` of an unconditional
     generator, say): the message names the option, the value and the fix."""
 
@@ -150,8 +137,10 @@ def evaluate(args: argparse.Namespace) -> None:
     params = _pinned_params(args.params)
     from ganpipe import runtime, scoring  # after the pins, as in generate()
     from ganpipe.checkpoint import write_bytes_atomic
+    from ganpipe.data.store import verify_lmdb
     from ganpipe.dist import DistContext
 
+    verify_lmdb(args.data)  # as the stage does: damaged data is an error, never a score
     inputs = scoring.open_inputs(args.model, args.data, args.featurenet, params.eval)
     device = _device(params)
     numerics = runtime.numerics_record(params.determinism, params.devices, device)
