@@ -54,13 +54,12 @@ def read_generator(path: Path) -> GeneratorFile:
     ``generator.pt``).
 
     Raises:
-        FileNotFoundError: there is no file at ``path``.
-        ModelFileError: the file is not one the train stage wrote (replaced, damaged,
-            foreign, a discriminator); the message names it and says to rerun train.
+        ModelFileError: there is no file at ``path``, or it is not one the train stage wrote
+            (replaced, damaged, foreign, a discriminator's); the message names it and the fix.
     """
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(
+        raise ModelFileError(
             f"{path} is missing; run `dvc repro train` first (or name another model file)"
         )
     return read_model_file(path, lambda record: _build_generator(path, record), "train")
@@ -94,7 +93,7 @@ def load_generator(path: str | Path, device: str | torch.device = "cpu") -> nn.M
     theirs in the last bits.
 
     Raises:
-        FileNotFoundError, ModelFileError: see :func:`read_generator`.
+        ModelFileError: see :func:`read_generator`.
     """
     return read_generator(Path(path)).net.to(device)
 
@@ -170,12 +169,12 @@ def describe(path: Path) -> dict[str, Any]:
     network is rebuilt from the file, so a file described here is one the pipeline can use.
 
     Raises:
-        FileNotFoundError: there is no file at ``path``.
-        ModelFileError: the file is not a model file of the train or featurenet stage.
+        ModelFileError: there is no file at ``path``, or it is not a model file of the train
+            or featurenet stage.
     """
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing; name a model file (models/g_ema.pt...)")
+        raise ModelFileError(f"{path} is missing; name a model file (models/g_ema.pt...)")
     stage = "featurenet" if path.name.startswith("featurenet") else "train"
     record, net = read_model_file(path, lambda record: (record, _build_any(record)), stage)
     info: dict[str, Any] = {"file": str(path), "net": record["net"]}

@@ -50,8 +50,8 @@ def open_inputs(model: Path, val: Path, featurenet: Path, cfg: EvalParams) -> Ev
     the meta record of ``val``, and check that they fit.
 
     Raises:
-        ExtractorError, ModelFileError, FileNotFoundError, DatasetError: a file is missing,
-            damaged or foreign (the message names it and the stage that writes it).
+        ExtractorError, ModelFileError, DatasetError: a file is missing, damaged or foreign
+            (the message names it and the stage that writes it).
         ModelMismatchError: the generator's images or classes do not fit the data or the
             feature network (:func:`ganpipe.modelfile.check_fits`).
     """
