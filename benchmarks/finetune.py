@@ -52,7 +52,7 @@ from benchmarks.smalldata import (
 )
 from ganpipe.checkpoint import MODEL_FILES
 from ganpipe.data.sources import list_digits
-from stages.generate import load_generator
+from ganpipe.modelfile import read_generator
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "finetune.json"
@@ -189,8 +189,8 @@ def main() -> None:
             (root / INIT).mkdir(parents=True)
             for name in MODEL_FILES.values():
                 shutil.copy(pre / "models" / name, root / INIT / name)
-            g, model = load_generator(root / INIT / "g_ema.pt")
-            start = measure(g, model.z_dim, extractor, real)["fid"]
+            generator = read_generator(root / INIT / "g_ema.pt")
+            start = measure(generator.net, generator.model.z_dim, extractor, real)["fid"]
             tuned = run(root, target, seed, args.kimg, args.every, args.threads, init_from=INIT)
             final, fids = curve(root, extractor, real)
             return [

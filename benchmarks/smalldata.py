@@ -54,7 +54,7 @@ from torch.utils.data import Subset
 from ganpipe import evaluation
 from ganpipe.checkpoint import read_checkpoint
 from ganpipe.data.dataset import LmdbImageDataset
-from stages.generate import load_generator
+from ganpipe.modelfile import read_generator
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "smalldata_1000kimg.json"
@@ -141,7 +141,8 @@ def measure(g: torch.nn.Module, z_dim: int, extractor, real: torch.Tensor) -> di
 
 def curve(root: Path, extractor, real: torch.Tensor) -> tuple[dict, dict]:
     """The final model's metrics, and FID per kept checkpoint (kimg -> FID)."""
-    g, model = load_generator(root / "models/g_ema.pt")
+    generator = read_generator(root / "models/g_ema.pt")
+    g, model = generator.net, generator.model
     final = measure(g, model.z_dim, extractor, real)
     fids = {}
     for path in sorted((root / "checkpoints").glob("*/ckpt-*.pt")):

@@ -9,25 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ganpipe import cpu
-from ganpipe.data.convert import BadImageError
-from ganpipe.data.sources import SourceError
-from ganpipe.data.store import DatasetError
-from ganpipe.params import Params, ParamsError, load_params
+from ganpipe.errors import USER_ERRORS
+from ganpipe.params import Params, load_params
 
 #: The splits the prepare stage writes (dvc.yaml outs), read by featurenet, train, evaluate.
 TRAIN_LMDB = Path("data/train.lmdb")
 VAL_LMDB = Path("data/val.lmdb")
-
-#: Errors caused by the user's params or files: reported in one message, exit status 2.
-USER_ERRORS = (
-    ParamsError,
-    SourceError,
-    DatasetError,
-    BadImageError,
-    ValueError,
-    FileNotFoundError,
-    FloatingPointError,
-)
 
 
 def _parser(description: str | None = None, add_help: bool = True) -> argparse.ArgumentParser:

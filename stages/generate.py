@@ -22,44 +22,22 @@ from pathlib import Path
 import torch
 
 from ganpipe import runtime
-from ganpipe.checkpoint import read_model_file
 from ganpipe.files import build_dir_for, clear_leftovers, locked_dir, remove_dir
-from ganpipe.nets import build_generator
+from ganpipe.modelfile import read_generator
 from ganpipe.params import ModelParams, Params
 from ganpipe.sampling import export_pngs, interpolation_strips, sample_grid, save_png
 
 SAMPLES = Path("samples")
 
 
-def load_generator(path: Path) -> tuple[torch.nn.Module, ModelParams]:
-    """Rebuild a generator from a model file written by the train stage.
-
-    Raises:
-        ModelFileError: the file is not one the train stage wrote (replaced, damaged,
-            foreign); the message names it and says to rerun train.
-    """
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing; run `dvc repro train` first")
-    return read_model_file(path, _build_generator, "train")
-
-
-def _build_generator(record: dict) -> tuple[torch.nn.Module, ModelParams]:
-    model = ModelParams(**record["model"])
-    g = build_generator(
-        model, record["image_size"], record["channels"], num_classes=record.get("num_classes")
-    )
-    g.load_state_dict(record["state_dict"])
-    return g.eval(), model
-
-
 def main(params: Params) -> None:
     runtime.configure_runtime(params.seed, params.devices, params.determinism)
-    g, model = load_generator(Path("models/g_ema.pt"))
-    g.to(runtime.resolve_device(params.devices))
+    generator = read_generator(Path("models/g_ema.pt"))
+    g = generator.net.to(runtime.resolve_device(params.devices))
     with locked_dir(SAMPLES, "generate"):
         clear_leftovers(SAMPLES, ["grid.png", "interpolation.png", "images"])
         clear_leftovers(build_dir_for(SAMPLES / "images"), ["images"])  # a link's target's
-        write_samples(g, model, params)
+        write_samples(g, generator.model, params)
 
 
 def write_samples(g: torch.nn.Module, model: ModelParams, params: Params) -> None:

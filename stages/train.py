@@ -94,10 +94,16 @@ class DvcliveLogger:
 
 
 def model_record(
-    params: Params, net: str, state_dict: dict, numerics: dict, num_classes: int | None = None
+    params: Params,
+    net: str,
+    state_dict: dict,
+    numerics: dict,
+    num_classes: int | None = None,
+    images_seen: int | None = None,
 ) -> dict:
-    """What a model file holds: enough to rebuild the network without params.yaml, and the
-    numerics it was computed with (:func:`ganpipe.runtime.numerics_record`);
+    """What a model file holds (:mod:`ganpipe.modelfile`): enough to rebuild the network
+    without params.yaml, the numerics it was computed with
+    (:func:`ganpipe.runtime.numerics_record`) and ``images_seen``, how far training went;
     ``num_classes`` for a class-conditional model only (an unconditional record is as before)."""
     record = {
         "net": net,
@@ -109,6 +115,8 @@ def model_record(
     }
     if num_classes is not None:
         record["num_classes"] = num_classes
+    if images_seen is not None:
+        record["images_seen"] = images_seen
     return record
 
 
@@ -199,13 +207,14 @@ def metrics_ruler(params: Params, context: DistContext, numerics: dict) -> Ruler
     # torchmetrics loads torchvision and torch._dynamo (seconds of start-up): only in runs
     # that measure.
     from ganpipe import evaluation
-    from stages.evaluate import CACHE, check_val_split, extractor_for
+    from ganpipe.scoring import load_extractor
+    from stages.evaluate import CACHE, FEATURENET, check_val_split
 
     identity = extractor = real = None
     if context.is_main:
         check_val_split(train_verified=True)  # main() verified it before training
         try:
-            extractor = extractor_for(params)
+            extractor = load_extractor(params.eval, FEATURENET)
         except evaluation.ExtractorError as exc:
             raise MetricsError(
                 f"{exc} (FID while training, train.metrics_kimg={params.train.metrics_kimg}; "
@@ -314,13 +323,17 @@ def train_and_save(params: Params) -> None:
         if context.is_main:
             final = result.g_ema.module.state_dict()
             best = final if result.best is None else result.best["state_dict"]
-            for name, kind, state_dict in (
-                ("generator", "generator", result.g.state_dict()),
-                ("discriminator", "discriminator", result.d.state_dict()),
-                ("g_ema", "generator", final),
-                ("g_ema_best", "generator", best),
+            seen = result.images_seen
+            best_seen = seen if result.best is None else result.best["images_seen"]
+            for name, kind, state_dict, images_seen in (
+                ("generator", "generator", result.g.state_dict(), seen),
+                ("discriminator", "discriminator", result.d.state_dict(), seen),
+                ("g_ema", "generator", final, seen),
+                ("g_ema_best", "generator", best, best_seen),
             ):
-                record = model_record(params, kind, state_dict, numerics, result.num_classes)
+                record = model_record(
+                    params, kind, state_dict, numerics, result.num_classes, images_seen
+                )
                 save_atomic(record, MODELS / f"{name}.pt")
         context.barrier()
     finally:

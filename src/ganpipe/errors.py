@@ -15,3 +15,14 @@ class UserError(ValueError):
     A ``ValueError`` too, for callers that catch bad values generally; the stages map only
     this class to a one-line error.
     """
+
+
+#: What the entry points (the stages and the ``ganpipe`` command) report as one ``error:`` line
+#: with exit status 2: :class:`UserError`, and the plain ``ValueError``, ``FileNotFoundError``
+#: and ``FloatingPointError`` of the raise sites not yet converted to it.
+USER_ERRORS: tuple[type[Exception], ...] = (
+    UserError,
+    ValueError,
+    FileNotFoundError,
+    FloatingPointError,
+)

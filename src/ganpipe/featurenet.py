@@ -36,6 +36,7 @@ class FeatureNet(nn.Module):
 
     def __init__(self, channels: int, image_size: int, width: int, num_classes: int):
         super().__init__()
+        self.channels, self.image_size = channels, image_size
         layers: list[nn.Module] = [
             nn.Conv2d(channels, width, 3, padding=1, bias=False),
             nn.BatchNorm2d(width),
@@ -68,14 +69,16 @@ class Embedding(nn.Module):
     """A frozen network's features as a module: ``(N, C, H, W)`` in [-1, 1] -> ``(N, d)``.
 
     Always in eval mode (BatchNorm uses its running statistics, so a sample's features do
-    not depend on the rest of its batch). ``digest`` is the sha256 of the weights file.
+    not depend on the rest of its batch). ``digest`` is the sha256 of the weights file,
+    ``task`` what the network was trained for (``classification`` or ``rotation``).
     """
 
-    def __init__(self, net: FeatureNet, digest: str):
+    def __init__(self, net: FeatureNet, digest: str, task: str = "classification"):
         super().__init__()
         self.net = net.eval().requires_grad_(False)
         self.num_features = net.num_features
         self.digest = digest
+        self.task = task
 
     def train(self, mode: bool = True) -> Embedding:
         return super().train(False)
@@ -206,4 +209,4 @@ def from_record(rec: dict, digest: str) -> Embedding:
     """The frozen feature extractor stored in a weights record."""
     net = FeatureNet(rec["channels"], rec["image_size"], rec["width"], rec["num_classes"])
     net.load_state_dict(rec["state_dict"])
-    return Embedding(net, digest)
+    return Embedding(net, digest, rec["task"])

@@ -6,6 +6,7 @@ import io
 import math
 import shutil
 import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -63,7 +64,7 @@ def save_png(pixels: np.ndarray, path: Path) -> None:
 
 
 def sample_latents(
-    seed: int, indices: range, z_dim: int, truncation: float | None = None
+    seed: int, indices: Sequence[int], z_dim: int, truncation: float | None = None
 ) -> torch.Tensor:
     """Latents of samples ``indices``: sample i's comes from (seed, i) alone.
 
@@ -81,7 +82,7 @@ def sample_latents(
     return out
 
 
-def sample_labels(indices: range, num_classes: int) -> torch.Tensor:
+def sample_labels(indices: Sequence[int], num_classes: int) -> torch.Tensor:
     """Classes of samples ``indices`` of a conditional generator: sample ``i`` is class
     ``i mod num_classes`` (every class equally often, whichever process or batch makes it)."""
     return torch.tensor([i % num_classes for i in indices], dtype=torch.int64)
@@ -164,6 +165,43 @@ def interpolation_strips(
     return image_grid(generate(generator, z, labels=labels), steps)
 
 
+def sample_pngs(
+    generator: torch.nn.Module,
+    z_dim: int,
+    indices: Sequence[int],
+    seed: int,
+    truncation: float | None = None,
+    batch_size: int = 256,
+    progress: bool = True,
+    label: int | None = None,
+) -> Iterator[tuple[Path, bytes]]:
+    """``(file name, PNG bytes)`` of samples ``indices`` of ``seed``, in their order.
+
+    Sample ``i`` is ``NNNNNN.png`` (its index, 6 digits); a conditional generator's is
+    ``<class>/NNNNNN.png``, drawn for class ``label``, or for class ``i mod classes``
+    without one. The samples are generated ``batch_size`` at a time, in the order given.
+    """
+    num_classes = num_classes_of(generator)
+    with tqdm(
+        total=len(indices), desc="export", unit="img", disable=not progress, mininterval=1.0
+    ) as bar:
+        for start in range(0, len(indices), batch_size):
+            chunk = indices[start : start + batch_size]
+            z = sample_latents(seed, chunk, z_dim, truncation)
+            labels = None
+            if num_classes is not None:
+                labels = sample_labels(chunk, num_classes)
+                if label is not None:
+                    labels = torch.full_like(labels, label)
+            images = generate(generator, z, labels=labels)
+            for row, (i, image) in enumerate(zip(chunk, images, strict=True)):
+                name = Path(f"{i:06d}.png")
+                if labels is not None:
+                    name = str(int(labels[row])) / name
+                yield name, png_bytes(to_uint8(image).permute(1, 2, 0).numpy())
+            bar.update(len(chunk))
+
+
 def export_pngs(
     generator: torch.nn.Module,
     z_dim: int,
@@ -175,37 +213,26 @@ def export_pngs(
     progress: bool = True,
 ) -> None:
     """Write samples ``0 .. count - 1`` as ``out_dir/000000.png`` ... (a conditional
-    generator's as ``out_dir/<class>/000000.png``, sample ``i`` of class ``i mod classes``);
-    the folder is built beside ``out_dir`` and swapped in when complete, so it never holds a
-    partial set."""
+    generator's as ``out_dir/<class>/000000.png``, sample ``i`` of class ``i mod classes``;
+    see :func:`sample_pngs`); the folder is built beside ``out_dir`` and swapped in when
+    complete, so it never holds a partial set."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     beside = build_dir_for(out_dir)  # out_dir may link to another disk: built there
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}{TMP_MARK}", dir=beside))
-    num_classes = num_classes_of(generator)
     try:
-        with tqdm(
-            total=count, desc="export", unit="img", disable=not progress, mininterval=1.0
-        ) as bar:
-            for start in range(0, count, batch_size):
-                chunk = range(start, min(start + batch_size, count))
-                z = sample_latents(seed, chunk, z_dim, truncation)
-                labels = None if num_classes is None else sample_labels(chunk, num_classes)
-                images = generate(generator, z, labels=labels)
-                for i, image in zip(chunk, images, strict=True):
-                    pixels = to_uint8(image).permute(1, 2, 0).numpy()
-                    folder = tmp if labels is None else tmp / str(i % num_classes)
-                    folder.mkdir(exist_ok=True)
-                    (folder / f"{i:06d}.png").write_bytes(png_bytes(pixels))
-                bar.update(len(chunk))
+        pngs = sample_pngs(generator, z_dim, range(count), seed, truncation, batch_size, progress)
+        for name, data in pngs:
+            (tmp / name).parent.mkdir(exist_ok=True)
+            (tmp / name).write_bytes(data)
         replace_dir(tmp, out_dir)
     except OSError as exc:
-        pngs = list(tmp.rglob("*.png"))
-        written = sum(p.stat().st_size for p in pngs)
+        done = list(tmp.rglob("*.png"))
+        written = sum(p.stat().st_size for p in done)
         shutil.rmtree(tmp, ignore_errors=True)
         if exc.errno not in NO_SPACE_ERRNOS:
             raise
         # the images written so far, scaled to the whole set: about what the folder needs
-        raise no_space_error(exc, out_dir, written * count // len(pngs) if pngs else None) from None
+        raise no_space_error(exc, out_dir, written * count // len(done) if done else None) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
