@@ -44,7 +44,13 @@ def run(root: Path, mode: str, kimg: float) -> tuple[float, float]:
         "devices": {"cpu_threads": 2},
         "determinism": {"cpu_isa": mode},
         "model": {"g_width": 32, "d_width": 32},
-        "train": {"kimg": kimg, "log_every_kimg": 0.64, "snapshot_kimg": 1000, "ema_kimg": 5},
+        "train": {
+            "metrics_kimg": 0,
+            "kimg": kimg,
+            "log_every_kimg": 0.64,
+            "snapshot_kimg": 1000,
+            "ema_kimg": 5,
+        },
     }
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     for old in (root / "checkpoints").glob("*/ckpt-*.pt"):

@@ -42,7 +42,13 @@ def run(root: Path, world: int, threads: int, kimg: float, norm: str) -> float:
         "devices": {"nproc_per_node": world, "cpu_threads": threads},
         "determinism": {"cpu_isa": "native"},  # the fastest path, as the recorded results
         "model": {"g_width": 32, "d_width": 32, "norm": norm},
-        "train": {"batch_size": 64, "kimg": kimg, "log_every_kimg": 0.64, "snapshot_kimg": 1000},
+        "train": {
+            "metrics_kimg": 0,
+            "batch_size": 64,
+            "kimg": kimg,
+            "log_every_kimg": 0.64,
+            "snapshot_kimg": 1000,
+        },
     }
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -32,6 +32,7 @@ RUN = {
         "log_every_kimg": 0.064,
         "snapshot_kimg": 100,
         "ema_kimg": 0.1,
+        "metrics_kimg": 0,
     },
     "generate": {"grid_rows": 2},
 }

@@ -72,7 +72,12 @@ def test_train_past_the_file_size_limit_ends_in_one_error_line(tmp_path):
             "devices": {"cpu_threads": 1},
             "data": {"image_size": 16, "val_fraction": 0.5},
             "model": {"z_dim": 8, "g_width": 16, "d_width": 16},
-            "train": {"batch_size": 16, "kimg": 0.064, "log_every_kimg": 0.032},
+            "train": {
+                "batch_size": 16,
+                "kimg": 0.064,
+                "log_every_kimg": 0.032,
+                "metrics_kimg": 0,
+            },
             "generate": {"grid_rows": 2},
         },
         data,
