@@ -46,6 +46,7 @@ from dvclive import Live
 from ganpipe import dist, runtime
 from ganpipe.checkpoint import init_files, run_fingerprint, save_atomic, write_bytes_atomic
 from ganpipe.data.dataset import LmdbImageDataset
+from ganpipe.data.store import DatasetError
 from ganpipe.dist import DistContext
 from ganpipe.errors import UserError
 from ganpipe.loop import TrainingInterrupted, train
@@ -266,7 +267,7 @@ def train_and_save(params: Params) -> None:
     try:
         dataset = LmdbImageDataset(TRAIN_LMDB, as_uint8=True)
         if list(dataset.meta["shape"]) != [params.data.image_size] * 2 + [params.data.channels]:
-            raise ValueError(
+            raise DatasetError(
                 f"data/train.lmdb holds {dataset.meta['shape']} images but params say "
                 f"data.image_size={params.data.image_size}, "
                 f"data.channels={params.data.channels}; run `dvc repro prepare`"

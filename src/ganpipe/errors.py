@@ -17,12 +17,12 @@ class UserError(ValueError):
     """
 
 
-#: What the entry points (the stages and the ``ganpipe`` command) report as one ``error:`` line
-#: with exit status 2: :class:`UserError`, and the plain ``ValueError``, ``FileNotFoundError``
-#: and ``FloatingPointError`` of the raise sites not yet converted to it.
-USER_ERRORS: tuple[type[Exception], ...] = (
-    UserError,
-    ValueError,
-    FileNotFoundError,
-    FloatingPointError,
-)
+class TrainingDivergedError(UserError, FloatingPointError):
+    """A loss or a weight became NaN or infinite: the message names the step, the strategy,
+    the loss and precision, and what to lower. The last good checkpoint is kept."""
+
+
+#: What the entry points (the stages and the ``ganpipe`` command) report as one ``error:``
+#: line with exit status 2. Only this: a built-in exception (a ``ValueError`` from deep in
+#: torch, a ``FileNotFoundError`` nobody anticipated) is a bug, shown with its traceback.
+USER_ERRORS: tuple[type[Exception], ...] = (UserError,)

@@ -333,7 +333,7 @@ def all_metrics(
 ) -> dict[str, float]:
     """``fid``, ``kid``, ``kid_std``, ``precision``, ``recall`` of two feature sets."""
     if kid_subset_size > min(len(real), len(fake)):
-        raise ValueError(
+        raise UserError(
             f"eval.kid_subset_size={kid_subset_size} is more than the {len(real)} real and "
             f"{len(fake)} generated images; lower it (or use a larger val split)"
         )

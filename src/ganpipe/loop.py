@@ -22,6 +22,7 @@ from ganpipe import dist, graphed, runstate
 from ganpipe.build import adaptive_p, build_gan, conditional_classes
 from ganpipe.dist import DistContext
 from ganpipe.ema import EmaGenerator
+from ganpipe.errors import UserError
 from ganpipe.params import Params
 from ganpipe.strategies import STRATEGIES, Gan
 from ganpipe.stream import Stream
@@ -82,8 +83,8 @@ def train(
     :class:`TrainingInterrupted`.
 
     Raises:
-        ValueError: the batch does not fit the dataset.
-        FloatingPointError: a loss (or, before a checkpoint, a weight) became NaN or
+        UserError: the batch does not fit the dataset.
+        TrainingDivergedError: a loss (or, before a checkpoint, a weight) became NaN or
             infinite in fp32/bf16 (the message names the step, the strategy and the loss);
             the last good checkpoint is kept. fp16 leaves inf/NaN to the GradScalers, which
             skip those steps; they are counted in ``amp/skipped_steps/{g,d}``.
@@ -93,7 +94,7 @@ def train(
         context = DistContext(device=context)
     cfg = params.train
     if len(dataset) < cfg.batch_size:
-        raise ValueError(
+        raise UserError(
             f"train.batch_size={cfg.batch_size} is larger than the training set "
             f"({len(dataset)} images); lower it or add data"
         )

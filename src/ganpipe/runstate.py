@@ -23,6 +23,7 @@ from PIL import Image
 from ganpipe import checkpoint, dist, runtime, trainmetrics
 from ganpipe.dist import DistContext
 from ganpipe.ema import EmaGenerator
+from ganpipe.errors import TrainingDivergedError
 from ganpipe.params import Params
 from ganpipe.sampling import grid_labels, snapshot
 from ganpipe.strategies import Gan, Stats
@@ -128,7 +129,7 @@ class Checkpointer:
         batch_size, n_critic = self.params.train.batch_size, self.params.train.n_critic
         expected = data_position(iteration * n_critic, self.num_items, batch_size)
         if state["data"] != expected:
-            raise ValueError(
+            raise checkpoint.CheckpointError(
                 f"checkpoint {state['path']} stopped at data position {state['data']}, but "
                 f"{iteration} iterations over {self.num_items} images in batches of "
                 f"{batch_size} end at {expected}; the training set changed: delete {run_dir} "
@@ -239,7 +240,7 @@ class Checkpointer:
         ``run_dir``).
 
         Raises:
-            FloatingPointError: a loss or a weight is not finite; the last good checkpoint
+            TrainingDivergedError: a loss or a weight is not finite; the last good checkpoint
                 is kept.
         """
         if self.run_dir is None:
@@ -248,7 +249,7 @@ class Checkpointer:
         meter.check_finite(done, stats)  # never checkpoint a diverged state
         if not weights_are_finite(gan, g_ema, context):
             cfg = self.params.train
-            raise FloatingPointError(
+            raise TrainingDivergedError(
                 f"non-finite weights after step {done} (train.strategy={cfg.strategy}, "
                 f"train.loss={cfg.loss}, precision={self.params.precision}); the last good "
                 "checkpoint is kept; lower train.lr_g / train.lr_d"

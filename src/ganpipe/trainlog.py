@@ -17,6 +17,7 @@ import torch
 
 from ganpipe import runtime
 from ganpipe.dist import DistContext
+from ganpipe.errors import TrainingDivergedError
 from ganpipe.params import Params
 from ganpipe.strategies import Gan, Stats
 
@@ -70,11 +71,11 @@ class Meter:
             sums[key] = sums.get(key, 0) + value.float()
 
     def check_finite(self, done: int, stats: Stats) -> None:
-        """Raise ``FloatingPointError`` naming the first non-finite step, on every rank."""
+        """Raise :class:`TrainingDivergedError` naming the first non-finite step, on every rank."""
         bad_step = self.context.all_max(self.first_bad.clone()).item()  # -1: all finite
         if bad_step >= 0:
             params = self.params
-            raise FloatingPointError(
+            raise TrainingDivergedError(
                 f"non-finite loss at step {int(bad_step) + 1} "
                 f"(train.strategy={params.train.strategy}, train.loss={params.train.loss}, "
                 f"precision={params.precision}, loss/d={stats['loss/d'].item():.4g}, "

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import yaml
 
 from tests.conftest import REPO, dir_digest
-from tests.helpers import run_stage
+from tests.helpers import run_stage, stage_env
 
 # stage -> (a bad value in its own section, the key the message must name)
 BAD = {
@@ -46,3 +49,38 @@ def test_stage_reports_bad_params_without_traceback(tmp_path, stage):
     assert f"  - {key}: " in result.stderr and "  - seed: " in result.stderr
     assert "Traceback" not in result.stderr
     assert dir_digest(tmp_path) == before  # nothing created, nothing modified
+
+
+@pytest.mark.parametrize(
+    ("raised", "code"),
+    [
+        ("ganpipe.errors.UserError('data.path=x is missing; fix it')", 2),
+        ("ValueError('an internal invariant broke')", 1),
+        ("FileNotFoundError(2, 'No such file', 'somewhere')", 1),
+    ],
+)
+def test_only_user_errors_are_one_line_anything_else_keeps_its_traceback(tmp_path, raised, code):
+    """A bug inside the library (a plain ValueError, an unanticipated missing file) is not
+    the user's mistake: it shows its traceback and exits 1; a UserError is one line, exit 2."""
+    (tmp_path / "params.yaml").write_text("{}\n")
+    script = (
+        "import ganpipe.errors\n"
+        "from stages import _cli\n"
+        "def main(params):\n"
+        f"    raise {raised}\n"
+        "_cli.run(main, 'a stage')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=stage_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == code, result.stderr
+    if code == 2:
+        assert result.stderr.strip() == "error: data.path=x is missing; fix it"
+    else:
+        assert "Traceback (most recent call last)" in result.stderr
+        assert "error:" not in result.stderr
