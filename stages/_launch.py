@@ -54,26 +54,25 @@ def die_with_parent(expected_parent: int) -> None:
         os._exit(128 + signal.SIGKILL)
 
 
-def memory_available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (None where there is none)."""
+def _proc_kib(path: str, field: str) -> int | None:
+    """The ``field:`` line of a /proc file in bytes (given in kB there); None where absent."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def memory_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (None where there is none)."""
+    return _proc_kib("/proc/meminfo", "MemAvailable")
 
 
 def resident_bytes() -> int | None:
     """This process's resident set (VmRSS), None where /proc has none."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return _proc_kib("/proc/self/status", "VmRSS")
 
 
 def check_capacity(
