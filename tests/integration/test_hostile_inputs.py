@@ -50,7 +50,7 @@ from ganpipe.data.store import (
     read_meta,
     write_checksums,
 )
-from ganpipe.files import OutputsBusyError, locked_dir, size_text
+from ganpipe.files import OutputsBusyError, locked_dir, no_space_error, size_text
 from ganpipe.nets import DcganGenerator
 from ganpipe.params import DataParams, Params
 from tests.conftest import data_params, dir_digest, random_image, solid_image
@@ -1031,15 +1031,16 @@ def test_a_checkpoint_of_the_wrong_shapes_falls_back_like_a_damaged_one(
 
 
 def disk_with_room_for(monkeypatch, num_checkpoints: int) -> list[Path]:
-    """Checkpoint writes fail with ENOSPC while ``num_checkpoints`` are on disk; the writes
-    that failed are returned."""
+    """Checkpoint writes fail with ENOSPC while ``num_checkpoints`` are on disk (as the real
+    write reports it: a NoSpaceError); the writes that failed are returned."""
     write = checkpoint.write_bytes_atomic
     failed = []
 
     def limited(data: bytes, path: Path) -> None:
         if len(checkpoint.list_checkpoints(path.parent)) >= num_checkpoints:
             failed.append(path)
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            full = OSError(errno.ENOSPC, "No space left on device", str(path))
+            raise no_space_error(full, path, len(data))
         write(data, path)
 
     monkeypatch.setattr(checkpoint, "write_bytes_atomic", limited)
