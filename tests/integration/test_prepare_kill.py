@@ -16,7 +16,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from ganpipe.data.store import DatasetError, check_pair, read_meta
+from ganpipe.data.store import DatasetError, check_pair, read_meta, verify_lmdb
 from tests.conftest import dir_digest
 from tests.helpers import stage_env
 
@@ -32,9 +32,16 @@ def run_prepare(project: Path) -> subprocess.Popen:
 
 
 def write_params(project: Path, seed: int) -> None:
+    """Params whose split is chosen by ``seed`` (data.split_seed: the training seed plays no
+    part in prepare)."""
     params = {
-        "seed": seed,
-        "data": {"source": "folder", "path": "images", "image_size": 32, "channels": 3},
+        "data": {
+            "source": "folder",
+            "path": "images",
+            "image_size": 32,
+            "channels": 3,
+            "split_seed": seed,
+        },
     }
     (project / "params.yaml").write_text(yaml.safe_dump(params))
 
@@ -94,6 +101,7 @@ def test_sigkill_at_random_moments_never_leaves_a_bad_database(tmp_path):
             assert leftover.name.startswith("."), leftover  # hidden temporaries only
             try:
                 read_meta(leftover)
+                verify_lmdb(leftover)  # its checksums are written last of all
             except DatasetError:
                 continue  # unfinished: refused by every reader
             # A complete leftover is the previous database, killed between swap and delete.
