@@ -93,6 +93,17 @@ def class_folder(tmp_path: Path) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def digits16(tmp_path_factory) -> Path:
+    """The digits at 16 px, half of them in val (split seed 4), prepared once per test
+    process: read-only for the tests that share it."""
+    from ganpipe.data.prepare import prepare_dataset
+
+    out = tmp_path_factory.mktemp("digits16")
+    prepare_dataset(DataParams(image_size=16, val_fraction=0.5), 4, out, progress=False)
+    return out
+
+
 @pytest.fixture(autouse=True)
 def _quiet_env(monkeypatch):
     monkeypatch.setenv("DVC_NO_ANALYTICS", "1")

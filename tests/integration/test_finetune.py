@@ -15,8 +15,7 @@ from ganpipe import dist, ema, loop, strategies
 from ganpipe.build import build_gan
 from ganpipe.checkpoint import MODEL_FILES, ModelFileError, load, run_fingerprint
 from ganpipe.data.dataset import LmdbImageDataset
-from ganpipe.data.prepare import prepare_dataset
-from ganpipe.params import INIT_DIR, DataParams, parse_params
+from ganpipe.params import INIT_DIR, parse_params
 from tests.helpers import REPO, run_stage, sh, write_project
 
 RUN = {
@@ -42,10 +41,8 @@ RUN_TRAIN = parse_params(RUN).train
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("data")
-    prepare_dataset(DataParams(image_size=16, val_fraction=0.5), 4, out, progress=False)
-    return out
+def data_dir(digits16: Path) -> Path:
+    return digits16
 
 
 @pytest.fixture(scope="module")

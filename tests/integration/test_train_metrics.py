@@ -18,9 +18,8 @@ from torch import nn
 from ganpipe import checkpoint, loop, runtime
 from ganpipe.checkpoint import load
 from ganpipe.data.dataset import LmdbImageDataset
-from ganpipe.data.prepare import prepare_dataset
 from ganpipe.data.store import read_meta
-from ganpipe.params import DataParams, parse_params
+from ganpipe.params import parse_params
 from ganpipe.trainmetrics import BEST_FID, BEST_KIMG, FID, KID, Ruler
 from tests.helpers import Recorder, run_stage, write_project
 from tests.integration import test_resume
@@ -50,10 +49,8 @@ POINTS = [960 * i for i in range(1, 11)]
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("data")
-    prepare_dataset(DataParams(image_size=16, val_fraction=0.5), 4, out, progress=False)
-    return out
+def data_dir(digits16: Path) -> Path:
+    return digits16
 
 
 @pytest.fixture(scope="module")
