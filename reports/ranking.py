@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flows.checkout import flatten
+from ganpipe.overrides import flatten
 
 #: Train-stage measurements shown beside the ranking metric (dotted keys of its metrics).
 PERF_KEYS = {
@@ -174,6 +174,13 @@ def group_runs(
     return sorted(groups.values(), key=lambda g: _order(g.mean("metric"), higher_is_better))
 
 
+def code(value: Any) -> str:
+    """``value`` as one markdown code span: a caller's string cannot break out of it, start
+    a line, close a table cell or inject HTML."""
+    text = " ".join(str(value).split()).replace("`", "'").replace("|", "\\|")
+    return f"`{text}`"
+
+
 def _fmt(value: float | None, digits: int = 4) -> str:
     if value is None:
         return "—"
@@ -188,14 +195,14 @@ def verdict(groups: Sequence[Group], metric: str, higher_is_better: bool) -> str
     """One paragraph: the best group, the runner-up, and whether seeds separate them."""
     ranked = [g for g in groups if g.values("metric")]
     if not ranked:
-        return f"No run has the metric `{metric}`, so nothing is ranked (see Notes)."
+        return f"No run has the metric {code(metric)}, so nothing is ranked (see Notes)."
 
     def label(group: Group) -> str:
-        return " + ".join(f"{v}" for v in group.settings.values()) or "all runs"
+        return " + ".join(code(v) for v in group.settings.values()) or "all runs"
 
     best = ranked[0]
     text = (
-        f"**Best by mean `{metric}`: {label(best)}** "
+        f"**Best by mean {code(metric)}: {label(best)}** "
         f"({_fmt(best.mean('metric'))} over {len(best.values('metric'))} run(s))."
     )
     if len(ranked) > 1:
@@ -231,15 +238,15 @@ def render_markdown(
     direction = "higher is better" if higher_is_better else "lower is better"
     lines = [f"# {title}", ""]
     lines += [f"- {key}: {value}" for key, value in context.items()]
-    lines += [f"- ranked by `{metric}` ({direction})", ""]
+    lines += [f"- ranked by {code(metric)} ({direction})", ""]
 
     lines += ["## Summary (mean over seeds)", ""]
-    head = [*group_keys, f"{metric} mean", f"{metric} min – max"]
+    head = [*map(code, group_keys), f"{code(metric)} mean", f"{code(metric)} min – max"]
     head += [f"{PERF_TITLES[k]} mean" for k in perf_cols] + ["runs"]
     lines += ["| rank | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
     for i, group in enumerate(groups, 1):
         ok = sum(r.state == "success" for r in group.runs)
-        cells = [str(v) for v in group.settings.values()]
+        cells = [code(v) for v in group.settings.values()]
         cells += [_fmt(group.mean("metric")), _range(group.values("metric"))]
         cells += [_fmt(group.mean(k)) for k in perf_cols]
         cells += [f"{ok}/{len(group.runs)}"]
@@ -247,19 +254,20 @@ def render_markdown(
         lines.append(f"| {rank} | " + " | ".join(cells) + " |")
     lines += ["", verdict(groups, metric, higher_is_better), ""]
     if plot_name:
-        lines += [f"![{metric} and step cost per setting]({plot_name})", ""]
+        lines += [f"![the metric and step cost per setting]({plot_name})", ""]
 
     lines += ["## All runs", ""]
     keys = list(dict.fromkeys(k for r in runs for k in r.settings))
     where = any(r.ran_on for r in runs)
-    head = ["experiment", *keys, metric, *(PERF_TITLES[k] for k in perf_cols), "state"]
+    head = ["experiment", *map(code, keys), code(metric)]
+    head += [*(PERF_TITLES[k] for k in perf_cols), "state"]
     head += ["ran on"] if where else []
     lines += ["| rank | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
     for i, run in enumerate(rank_runs(runs, higher_is_better), 1):
-        cells = [f"`{run.name}`", *(str(run.settings.get(k, "")) for k in keys)]
+        cells = [code(run.name), *(code(run.settings.get(k, "")) for k in keys)]
         shown = _fmt(run.metric) + (" (other ruler)" if run.other_ruler else "")
         cells += [shown, *(_fmt(run.perf.get(k)) for k in perf_cols), run.state]
-        cells += [run.ran_on or "—"] if where else []
+        cells += [code(run.ran_on) if run.ran_on else "—"] if where else []
         rank = str(i) if run.comparable is not None else "—"
         lines.append(f"| {rank} | " + " | ".join(cells) + " |")
 
@@ -278,9 +286,9 @@ def notes_for(runs: Sequence[Run], metric: str) -> list[str]:
     others = [r for r in runs if r.other_ruler]
     if others:
         sweep = next(r.ruler for r in runs if r.ruler is not None and not r.other_ruler)
-        names = ", ".join(f"`{r.name}` ({r.ruler})" for r in others)
+        names = ", ".join(f"{code(r.name)} ({r.ruler})" for r in others)
         notes.append(
-            f"Not ranked: {names} measured `{metric}` with another ruler (feature network / "
+            f"Not ranked: {names} measured {code(metric)} with another ruler (feature network / "
             f"val split sha256) than the other runs ({sweep}); values from different rulers "
             "are not comparable. Keep `data.split_seed`, `featurenet.*` and the data the same "
             "across a sweep."
@@ -289,7 +297,7 @@ def notes_for(runs: Sequence[Run], metric: str) -> list[str]:
         notes.append(
             f"Every run was measured with one ruler (feature network / val split: {rulers[0]})."
         )
-    unknown = [f"`{r.name}`" for r in runs if r.metric is not None and r.ruler is None]
+    unknown = [f"{code(r.name)}" for r in runs if r.metric is not None and r.ruler is None]
     if unknown and rulers:
         notes.append(
             f"{', '.join(unknown)} record no ruler (evaluated before rulers were recorded): "
@@ -298,12 +306,12 @@ def notes_for(runs: Sequence[Run], metric: str) -> list[str]:
     finished = [r for r in runs if r.state == "success"]
     if finished and all(r.metric is None for r in finished):
         notes.append(
-            f"No finished run has the metric `{metric}` in its DVC metrics (is the stage that "
+            f"No finished run has the metric {code(metric)} in its DVC metrics (is the stage that "
             "writes it in dvc.yaml?); runs are listed unranked."
         )
     elif any(r.metric is None for r in finished):
-        missing = ", ".join(f"`{r.name}`" for r in finished if r.metric is None)
-        notes.append(f"`{metric}` is missing in {missing}.")
+        missing = ", ".join(f"{code(r.name)}" for r in finished if r.metric is None)
+        notes.append(f"{code(metric)} is missing in {missing}.")
     if finished and not any("step_ms" in r.perf for r in finished):
         notes.append(
             "`perf.step_ms` is not in the training metrics; the step cost is shown as "
@@ -313,8 +321,8 @@ def notes_for(runs: Sequence[Run], metric: str) -> list[str]:
         notes.append("`perf.peak_memory_mb` is not in the training metrics; no memory column.")
     for run in runs:
         if run.state != "success":
-            reason = f": {run.error}" if run.error else ""
-            notes.append(f"`{run.name}` {run.state}{reason}")
+            reason = f": {code(run.error)}" if run.error else ""
+            notes.append(f"{code(run.name)} {run.state}{reason}")
     return notes
 
 
