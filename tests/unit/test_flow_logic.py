@@ -334,7 +334,7 @@ def test_report_ranks_by_fid_and_groups_over_seeds(tmp_path):
     assert "| 1 | `b` | 21 | 20 – 22 | 1,002 | 2/2 |" in text
     assert "**Best by mean `fid`: `b`**" in text and "do not overlap" in text
     assert "`perf.step_ms` is not in the training metrics" in text
-    assert "![fid and step cost per setting](p.png)" in text
+    assert "![the metric and step cost per setting](p.png)" in text
 
 
 def test_report_says_when_the_metric_is_missing_instead_of_failing():
