@@ -34,8 +34,8 @@ from prefect.exceptions import MissingContextError
 from prefect.runtime import flow_run
 
 from flows import clone
-from ganpipe.overrides import apply_overrides, flatten, validate_overrides
 from ganpipe.errors import UserError
+from ganpipe.overrides import apply_overrides, flatten, validate_overrides
 from ganpipe.params import read_yaml
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -222,7 +222,8 @@ def cli(parse: Callable[[], dict[str, Any]], validate: Callable[[dict], None], r
         args = parse()
         validate(args)
     except (UserError, YAMLError, ValueError) as exc:
-        sys.exit(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     with temporary_clone():
         run(**args)
 
@@ -245,10 +246,16 @@ def committed_params(commit: str | None = None) -> str:
 
 
 def _parse_set(text: str) -> tuple[str, Any]:
+    from ruamel.yaml import YAMLError
+
     key, sep, value = text.partition("=")
     if not sep:
         raise ValueError(f"--set {text!r}: expected key=value")
-    return key, read_yaml(value)
+    try:
+        return key, read_yaml(value)
+    except YAMLError as exc:
+        reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"--set {key}: {reason}; quote a string value") from None
 
 
 def main() -> None:

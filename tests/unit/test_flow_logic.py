@@ -8,6 +8,7 @@ import io
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -416,3 +417,28 @@ def test_one_ruler_is_named_and_a_run_without_one_is_flagged():
     text = report.render_markdown("T", runs, ["train.strategy"], "fid", False, {}, None)
     assert "Every run was measured with one ruler (feature network / val split: " in text
     assert "`s-a-1` record no ruler" in text
+
+
+@pytest.mark.parametrize(
+    ("module", "args", "says"),
+    [
+        (
+            "flows.pipeline",
+            ["--set", "train.kimg=-1"],
+            "train.kimg: Input should be greater than 0",
+        ),
+        ("flows.pipeline", ["--set", "train.lr_g=1e400"], "train.lr_g: Input should be a finite"),
+        ("flows.pipeline", ["--set", "seed=!!python/object:os.system"], "--set seed: could not"),
+        ("flows.pipeline", ["--commit", "nope"], "'nope' is not a commit"),
+        ("flows.sweep", ["--grid", "[1]"], "grid: give a mapping"),
+    ],
+)
+def test_the_flows_command_lines_answer_bad_input_with_one_error_not_a_traceback(
+    module, args, says
+):
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("error: ") and says in done.stderr
+    assert "Traceback" not in done.stderr
