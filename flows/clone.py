@@ -176,6 +176,8 @@ def prepare(root: Path, commit: str | None, log: Callable[[str], None]) -> tuple
         except DvcCommandError:
             problem = ("commit", f"{commit!r} is not a commit of the project")
             raise ParamsError("commit", [problem]) from None
+    if run(["git", "rev-parse", "--is-shallow-repository"], root).strip() == "true":
+        run(["git", "fetch", "-q", "--unshallow", "origin"], root)  # dvc exp needs history
     sha = run(["git", "rev-parse", "HEAD"], root).strip()
     origin = Path(run(["git", "remote", "get-url", "origin"], root).strip())
     shared = (origin / ".dvc").is_dir()

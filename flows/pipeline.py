@@ -187,7 +187,7 @@ def pipeline(
                 [
                     (
                         "exp_name",
-                        f"{name!r} exists on {sha[:7]}; choose another or dvc exp remove it",
+                        f"{name!r} exists on {sha[:7]}; choose another, or dvc exp remove {name}",
                     )
                 ],
             )

@@ -186,7 +186,7 @@ def run_point(name: str, overrides: dict[str, Any], commit: str, key: str) -> di
     attempt = this_task_run.run_count or 1
     run = run_deployment(
         EXPERIMENT,
-        parameters={"overrides": overrides, "exp_name": name, "commit": commit, "stage_retries": 0},
+        parameters={"overrides": overrides, "exp_name": name, "commit": commit},
         flow_run_name=name,
         timeout=0,
         idempotency_key=f"{key}:{name}:{attempt}",
