@@ -342,7 +342,7 @@ def test_run_with_overrides_makes_an_experiment_with_those_params(served, projec
     assert again.state.is_failed() and "dvc exp remove flow-small" in again.state.message
 
 
-def test_bad_override_fails_before_any_stage(served):
+def test_bad_override_fails_before_any_stage(served, project):
     env, _ = served
     run = run_and_wait(env, PIPELINE, {"overrides": {"train.batch_sise": 8}})
     assert run.state.is_failed()
@@ -364,10 +364,10 @@ def test_bad_override_fails_before_any_stage(served):
 
 def test_failing_stage_fails_the_run_with_its_message_without_retry(served, project, runs_dir):
     env, _ = served
-    overrides = {"data.source": "folder", "data.path": "docs"}  # tracked, but no images
+    overrides = {"data.source": "folder", "data.path": "src"}  # tracked, but no images
     run = run_and_wait(env, PIPELINE, {"overrides": overrides})
     assert run.state.is_failed()
-    assert "error: " in run.state.message and "data.path" in run.state.message
+    assert "error: data.path=" in run.state.message and "holds no image files" in run.state.message
     tasks = task_runs(env, run.id)
     assert tasks["dvc exp run"].state.is_failed()
     assert tasks["dvc exp run"].run_count == 1  # a stage's own error is not retried
