@@ -240,7 +240,7 @@ def publish_report(
     markdown = report.render_markdown(
         title, runs, group_keys, metric, higher_is_better, context, png_path.name
     )
-    write_bytes_atomic(md_path, markdown.encode())
+    write_bytes_atomic(markdown.encode(), md_path)
     table = []
     for i, r in enumerate(report.rank_runs(runs, higher_is_better), 1):
         exp = found.get(r.name, {})
@@ -259,7 +259,8 @@ def publish_report(
             }
         )
     record = {"context": context, "metric": metric, "runs": table}
-    write_bytes_atomic(md_path.with_suffix(".json"), (json.dumps(record, indent=2) + "\n").encode())
+    write_bytes_atomic((json.dumps(record, indent=2) + "
+").encode(), md_path.with_suffix(".json"))
     create_table_artifact(table, key="sweep-ranking", description=f"Sweep runs ranked by {metric}")
     create_markdown_artifact(markdown, key="sweep-report", description=f"Sweep report ({md_path})")
     return {"report": str(md_path), "plot": str(png_path), "runs": table, "failed": failed}

@@ -164,10 +164,11 @@ def logs(env: dict, run_id) -> str:
     return "\n".join(entry.message for entry in found)
 
 
-def no_clone_left(runs_dir: Path, timeout_s: float = 30) -> None:
-    """Every run's temporary clone is gone (the worker removes it once the run ended)."""
+def no_clone_left(runs_dir: Path, timeout_s: float = 30, known=frozenset()) -> None:
+    """Every run's temporary clone but ``known`` ones is gone (the worker removes it once the
+    run ended; a worker killed with its runs leaves theirs, as any killed process would)."""
     deadline = time.monotonic() + timeout_s
-    while left := list(runs_dir.glob("*prefect")):
+    while left := set(runs_dir.glob("*prefect")) - set(known):
         assert time.monotonic() < deadline, left
         time.sleep(0.5)
 
