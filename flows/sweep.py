@@ -259,8 +259,8 @@ def publish_report(
             }
         )
     record = {"context": context, "metric": metric, "runs": table}
-    write_bytes_atomic((json.dumps(record, indent=2) + "
-").encode(), md_path.with_suffix(".json"))
+    text = json.dumps(record, indent=2) + "\n"
+    write_bytes_atomic(text.encode(), md_path.with_suffix(".json"))
     create_table_artifact(table, key="sweep-ranking", description=f"Sweep runs ranked by {metric}")
     create_markdown_artifact(markdown, key="sweep-report", description=f"Sweep report ({md_path})")
     return {"report": str(md_path), "plot": str(png_path), "runs": table, "failed": failed}
