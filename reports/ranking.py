@@ -1,9 +1,11 @@
 """The sweep's comparison: runs ranked by a metric, grouped over seeds, a table and a plot.
 
-Pure functions over the experiments of ``dvc exp show --json`` (see
-:func:`flows.pipeline.publish_run`); no Prefect, no DVC calls, so the report can be
-rebuilt and tested from saved JSON. A metric that no experiment has (the evaluation stage
-not run yet, a typo) is reported as missing, never a crash.
+Pure functions over what each experiment run published (its ``pipeline-metrics`` artifact,
+see :func:`flows.pipeline.publish_run`, read back by :mod:`flows.sweep`); no Prefect, no DVC
+calls, so the report can be rebuilt and tested from saved JSON. A metric that no experiment
+has (the evaluation stage not run yet, a typo) is reported as missing, never a crash. Every
+string a caller chose (grid values, metric names, errors) is shown as a code span
+(:func:`code`), so it cannot add lines, cells or HTML to the markdown.
 """
 
 from __future__ import annotations
