@@ -344,7 +344,7 @@ def test_cancelling_a_sweep_cancels_every_experiment_run(team, project, runs_dir
     while processes_in(runs_dir):
         assert time.monotonic() < deadline, "a training process still runs after the cancel"
         time.sleep(0.5)
-    no_clone_left(runs_dir, known=known)
+    no_clone_left(runs_dir, timeout_s=90, known=known)
     listed = sh(["dvc", "exp", "list", "--name-only", "origin"], project).stdout
     assert "stopped" not in listed
 
