@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ganpipe import dist, runtime
+from ganpipe import dist, exact, runtime
 from ganpipe.augment import AdaptiveP, Augment
 from ganpipe.checkpoint import ModelFileError, init_files, read_model_file
 from ganpipe.dist import DistContext
@@ -102,8 +102,15 @@ def build_gan(
     def optimizer(net: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
         if cfg.optimizer == "sgd":
             return torch.optim.SGD(net.parameters(), lr=scaled_lr(lr, cfg), fused=fused)
+        # On CPU in the portable mode Adam is fused too: the default step's torch.sqrt
+        # leaves bits to the processor (ganpipe.exact).
+        adam_fused = fused or exact.fused_adam(device)
         return torch.optim.Adam(
-            net.parameters(), lr=scaled_lr(lr, cfg), betas=cfg.betas, fused=fused, capturable=on_gpu
+            net.parameters(),
+            lr=scaled_lr(lr, cfg),
+            betas=cfg.betas,
+            fused=adam_fused,
+            capturable=on_gpu,
         )
 
     gan = Gan(

@@ -15,7 +15,8 @@ for the ops it reaches:
   instruction (correctly rounded), instead of the matrix-product kernel that ends in VML;
 - :func:`arccos`: ``atan2`` (ATen's Sleef kernel, pinned to its AVX2 build) of
   correctly rounded operands;
-- Adam: torch's fused CPU kernel (``sqrtps``), see :func:`ganpipe.runtime.fused_optimizers`.
+- Adam: torch's fused CPU kernel (:func:`fused_adam`), whose square root is ``sqrtps``,
+  instead of the single-tensor step that calls ``torch.sqrt``.
 
 In the native mode, and on a GPU, each is the plain torch op: its bits do not change.
 """
@@ -58,13 +59,20 @@ def correctly_rounded_sqrt(x: torch.Tensor) -> torch.Tensor:
 
 
 def sqrt(x: torch.Tensor) -> torch.Tensor:
-    """``torch.sqrt``, correctly rounded on CPU in the portable mode (float32 and float64
-    via float32 are what the pipeline uses; float64 is refused there)."""
+    """``torch.sqrt``; on CPU in the portable mode correctly rounded (``float32``, the
+    pipeline's type; ``float64`` has no such path here and is refused there)."""
     if not _portable(x) or x.dtype not in (torch.float32, torch.float64):
         return torch.sqrt(x)
     if x.dtype == torch.float64:
         raise TypeError("ganpipe.exact.sqrt has no correctly rounded float64 path; use float32")
     return correctly_rounded_sqrt(x)
+
+
+def fused_adam(device: torch.device) -> bool | None:
+    """Adam's ``fused`` argument on ``device``: True on CPU in the portable mode, None (torch's
+    default) otherwise. The fused CPU kernel is ATen's, pinned to its AVX2 build like the
+    rest, and takes one pass over each parameter where the default takes several."""
+    return True if device.type == "cpu" and cpu.pinned_mode() == "portable" else None
 
 
 def cdist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ganpipe import cpu
+from ganpipe import cpu, exact
 from ganpipe.params import DeterminismParams, DevicesParams
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -229,7 +229,8 @@ def numerics_record(
 
     Kept with the model files and in the run fingerprint: a checkpoint is resumed only
     under the same numerics. In the portable mode it holds nothing machine-specific, so
-    the model files of two machines stay byte-identical; ``native`` adds the CPU
+    the model files of two machines stay byte-identical, and names the ops computed in
+    IEEE-defined form (:data:`ganpipe.exact.PORTABLE_OPS`); ``native`` adds the CPU
     model and flags (its bits depend on them), a CUDA run the GPU model and library versions.
     """
     record: dict[str, object] = {
@@ -244,6 +245,8 @@ def numerics_record(
     }
     if determinism.cpu_isa == "native":
         record["cpu"] = cpu.cpu_info()
+    else:  # the ops the portable mode computes its own way (the CPU's approximations out)
+        record["exact_ops"] = exact.PORTABLE_OPS
     if device.type == "cuda":
         record["gpu"] = torch.cuda.get_device_name(device)
         record["cuda"] = torch.version.cuda

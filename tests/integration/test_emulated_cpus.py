@@ -1,0 +1,142 @@
+"""The portable CPU mode's promise where it can fail: other processors.
+
+``qemu-x86_64`` (Debian's qemu-user) runs this venv's Python as an Intel Haswell (AVX2, no
+AVX-512) and as an AMD EPYC-Rome (vendor AuthenticAMD: MKL dispatches by vendor). It
+emulates IEEE arithmetic exactly and computes the approximate ``rcpps``/``rsqrtps``
+exactly too, where a real CPU uses its own tables: an op whose result depends on them
+differs between the emulated CPUs and this one. The featurenet, train, generate and
+evaluate stages (tiny) run on each; in the portable mode every output file is identical
+to the native run's, in the native mode they are not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ganpipe import cpu
+from ganpipe.data.prepare import prepare_dataset
+from ganpipe.params import DataParams
+from tests.helpers import stage_env, write_project
+
+pytestmark = pytest.mark.slow
+
+QEMU = "qemu-x86_64"
+#: An Intel CPU without AVX-512 and an AMD one (both with AVX2 and FMA).
+CPUS = ("Haswell", "EPYC-Rome")
+#: Every stage that computes in float, as small as they run: a few seconds natively, the
+#: emulation is 10-50x slower.
+TINY = {
+    "seed": 3,
+    "data": {"image_size": 16, "val_fraction": 0.5},
+    "devices": {"cpu_threads": 2},
+    "model": {"z_dim": 8, "g_width": 8, "d_width": 8},
+    "train": {
+        "batch_size": 32,
+        "kimg": 0.256,
+        "snapshot_kimg": 1,
+        "log_every_kimg": 0.128,
+        "metrics_kimg": 0,
+        "ema_kimg": 0.1,
+    },
+    "featurenet": {"width": 4, "epochs": 1},
+    "generate": {"grid_rows": 2, "num_images": 4, "interpolation_rows": 1},
+    "eval": {"num_samples": 128, "batch_size": 128, "kid_subsets": 4, "kid_subset_size": 64},
+}
+#: The stages' outputs (dvc.yaml's outs and metrics; measurements/ is timing, not bits).
+OUTPUTS = ("models", "samples", "metrics")
+PORTABLE = {"determinism": {"cpu_isa": "portable"}}
+
+
+@pytest.fixture(scope="session")
+def qemu() -> str:
+    """Debian's qemu-user, installed with apt-get (as root) when it is missing."""
+    found = shutil.which(QEMU)
+    if found:
+        return found
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        pytest.skip(
+            f"{QEMU} is missing and this test cannot install it (needs apt-get as root): "
+            "install Debian's `qemu-user` package"
+        )
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for args in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "-o", "DPkg::Lock::Timeout=300", "qemu-user"],
+    ):
+        result = subprocess.run(args, env=env, capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.fail(
+                f"`{' '.join(args)}` failed ({result.returncode}); install Debian's "
+                f"`qemu-user` package by hand:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+            )
+    found = shutil.which(QEMU)
+    assert found, f"apt-get installed qemu-user but {QEMU} is not on PATH"
+    return found
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data")
+    prepare_dataset(DataParams(image_size=16, val_fraction=0.5), 2, out, progress=False)
+    return out
+
+
+def run_stages(root: Path, emulate: list[str]) -> dict[str, str]:
+    """Run the four stages in ``root`` under the command prefix ``emulate`` (none: this
+    CPU); the sha256 of every output file, by path."""
+    env = {k: v for k, v in stage_env().items() if k not in cpu.NUMERICS_ENV}
+    result = subprocess.run(
+        [*emulate, sys.executable, "-m", "tests.integration.stages_in_one"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {
+        str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for folder in OUTPUTS
+        for path in sorted((root / folder).rglob("*"))
+        if path.is_file()
+    }
+
+
+def differing(a: dict[str, str], b: dict[str, str]) -> list[str]:
+    assert a.keys() == b.keys()
+    return sorted(name for name in a if a[name] != b[name])
+
+
+@pytest.fixture(scope="module")
+def here(tmp_path_factory, data_dir) -> dict[str, str]:
+    """The portable outputs on this CPU, the reference."""
+    root = write_project(tmp_path_factory.mktemp("here"), TINY, data_dir, **PORTABLE)
+    outputs = run_stages(root, [])
+    assert {"models/g_ema.pt", "models/featurenet.pt", "metrics/eval/metrics.json"} <= set(outputs)
+    assert any(name.startswith("samples/images/") for name in outputs)
+    return outputs
+
+
+@pytest.mark.parametrize("model", CPUS)
+def test_portable_bits_are_the_same_on_an_emulated_cpu(tmp_path, data_dir, qemu, here, model):
+    there = run_stages(write_project(tmp_path, TINY, data_dir, **PORTABLE), [qemu, "-cpu", model])
+    assert differing(here, there) == []
+
+
+def test_native_bits_are_not(tmp_path, data_dir, qemu):
+    """The control: the native mode takes what each CPU offers (here AVX-512 against the
+    emulated AMD's AVX2, and MKL's per-vendor code), and its trained bits differ."""
+    native = {"determinism": {"cpu_isa": "native"}}
+    here = run_stages(write_project(tmp_path / "here", TINY, data_dir, **native), [])
+    there = run_stages(
+        write_project(tmp_path / "rome", TINY, data_dir, **native), [qemu, "-cpu", "EPYC-Rome"]
+    )
+    assert "models/g_ema.pt" in differing(here, there)
+    assert "models/featurenet.pt" in differing(here, there)
