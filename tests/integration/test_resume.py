@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ganpipe import checkpoint, dist, loop, runtime, strategies, stream
+from ganpipe import checkpoint, dist, exact, loop, runtime, strategies, stream
 from ganpipe.checkpoint import load, load_newest_checkpoint, run_fingerprint, save_checkpoint
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.prepare import prepare_dataset
@@ -348,6 +348,9 @@ def test_the_numerics_are_part_of_the_fingerprint():
     assert record["cpu_isa"] == "portable" and record["aten_cpu_capability"] == "AVX2"
     assert record["mkldnn"] is False and record["mkl_cbwr"] == "COMPATIBLE"
     assert "cpu" not in record  # portable: nothing of this machine, so files match elsewhere
+    assert record["exact_ops"] == exact.PORTABLE_OPS  # its own sqrt, Adam...: named
+    older = {k: v for k, v in record.items() if k != "exact_ops"}  # a run from before them
+    assert run_fingerprint(params, "", older)[0] != run_fingerprint(params, "", record)[0]
     native = changed("determinism", cpu_isa="native")
     assert numerics(native)["cpu"]["flags"]  # native bits belong to this CPU model
     other_torch = {**record, "torch": "0.0.0"}
