@@ -5,18 +5,19 @@ Each stage's own ``main()``, after the pins of ``stages._cli.pin_cpu``, as
 ``python -m stages.NAME`` would run them: one Python start-up instead of four, which
 matters under ``qemu-x86_64`` (tests/integration/test_emulated_cpus.py).
 
-    python -m tests.integration.stages_in_one
+    python -m tests.integration.stages_in_one [STAGE ...]   # default: all four
 """
 
 from stages import _cli
 
 if __name__ == "__main__":
     _cli.pin_cpu()
+    import importlib
+    import sys
     from pathlib import Path
 
     from ganpipe.params import load_params
-    from stages import evaluate, featurenet, generate, train
 
     params = load_params(Path("params.yaml"))
-    for stage in (featurenet, train, generate, evaluate):
-        stage.main(params)
+    for name in sys.argv[1:] or ["featurenet", "train", "generate", "evaluate"]:
+        importlib.import_module(f"stages.{name}").main(params)

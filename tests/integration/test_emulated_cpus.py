@@ -52,6 +52,8 @@ TINY = {
 #: The stages' outputs (dvc.yaml's outs and metrics; measurements/ is timing, not bits).
 OUTPUTS = ("models", "samples", "metrics")
 PORTABLE = {"determinism": {"cpu_isa": "portable"}}
+#: The native control's stage.
+ONE = ("featurenet",)
 
 
 @pytest.fixture(scope="session")
@@ -88,12 +90,12 @@ def data_dir(tmp_path_factory) -> Path:
     return out
 
 
-def run_stages(root: Path, emulate: list[str]) -> dict[str, str]:
-    """Run the four stages in ``root`` under the command prefix ``emulate`` (none: this
-    CPU); the sha256 of every output file, by path."""
+def run_stages(root: Path, emulate: list[str], stages: tuple[str, ...] = ()) -> dict[str, str]:
+    """Run ``stages`` (default: featurenet, train, generate, evaluate) in ``root`` under the
+    command prefix ``emulate`` (none: this CPU); the sha256 of every output file, by path."""
     env = {k: v for k, v in stage_env().items() if k not in cpu.NUMERICS_ENV}
     result = subprocess.run(
-        [*emulate, sys.executable, "-m", "tests.integration.stages_in_one"],
+        [*emulate, sys.executable, "-m", "tests.integration.stages_in_one", *stages],
         cwd=root,
         env=env,
         capture_output=True,
@@ -132,11 +134,13 @@ def test_portable_bits_are_the_same_on_an_emulated_cpu(tmp_path, data_dir, qemu,
 
 def test_native_bits_are_not(tmp_path, data_dir, qemu):
     """The control: the native mode takes what each CPU offers (here AVX-512 against the
-    emulated AMD's AVX2, and MKL's per-vendor code), and its trained bits differ."""
+    emulated AMD's AVX2, oneDNN's convolutions, MKL's per-vendor code), and its bits differ
+    from the first trained weights on: the feature network is enough to show it (oneDNN's
+    code runs slowly under emulation)."""
     native = {"determinism": {"cpu_isa": "native"}}
-    here = run_stages(write_project(tmp_path / "here", TINY, data_dir, **native), [])
+    here = run_stages(write_project(tmp_path / "here", TINY, data_dir, **native), [], ONE)
     there = run_stages(
-        write_project(tmp_path / "rome", TINY, data_dir, **native), [qemu, "-cpu", "EPYC-Rome"]
+        write_project(tmp_path / "rome", TINY, data_dir, **native), [qemu, "-cpu", "EPYC-Rome"], ONE
     )
-    assert "models/g_ema.pt" in differing(here, there)
-    assert "models/featurenet.pt" in differing(here, there)
+    # the weights differ (their accuracy, metrics/featurenet.json, may round the same)
+    assert {"models/featurenet.pt", "models/featurenet.sha256"} <= set(differing(here, there))
