@@ -7,8 +7,11 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -180,3 +183,32 @@ def graph_features(channels: int) -> dict[str, dict]:
             },
         },
     }
+
+
+def debian_program(
+    program: str, package: str, unavailable: Callable[[str], NoReturn] = pytest.fail
+) -> Path:
+    """``program`` (a path, or a name on PATH), installing Debian's ``package`` with apt-get
+    (as root) when it is missing; ``unavailable(reason)`` when it cannot be had."""
+    found = shutil.which(program)
+    if found:
+        return Path(found)
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        unavailable(
+            f"{program} is missing and this test cannot install it (needs apt-get as root): "
+            f"install Debian's `{package}` package"
+        )
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for args in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "-o", "DPkg::Lock::Timeout=300", package],
+    ):
+        result = subprocess.run(args, env=env, capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.fail(
+                f"`{' '.join(args)}` failed ({result.returncode}); install Debian's `{package}` "
+                f"package by hand:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+            )
+    found = shutil.which(program)
+    assert found, f"apt-get installed {package} but {program} is missing"
+    return Path(found)

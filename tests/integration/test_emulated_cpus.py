@@ -12,8 +12,6 @@ to the native run's, in the native mode they are not.
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,9 +19,7 @@ from pathlib import Path
 import pytest
 
 from ganpipe import cpu
-from ganpipe.data.prepare import prepare_dataset
-from ganpipe.params import DataParams
-from tests.helpers import stage_env, write_project
+from tests.helpers import debian_program, stage_env, write_project
 
 pytestmark = pytest.mark.slow
 
@@ -59,35 +55,7 @@ ONE = ("featurenet",)
 @pytest.fixture(scope="session")
 def qemu() -> str:
     """Debian's qemu-user, installed with apt-get (as root) when it is missing."""
-    found = shutil.which(QEMU)
-    if found:
-        return found
-    if shutil.which("apt-get") is None or os.geteuid() != 0:
-        pytest.skip(
-            f"{QEMU} is missing and this test cannot install it (needs apt-get as root): "
-            "install Debian's `qemu-user` package"
-        )
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for args in (
-        ["apt-get", "update", "-qq"],
-        ["apt-get", "install", "-y", "-qq", "-o", "DPkg::Lock::Timeout=300", "qemu-user"],
-    ):
-        result = subprocess.run(args, env=env, capture_output=True, text=True)
-        if result.returncode != 0:
-            pytest.fail(
-                f"`{' '.join(args)}` failed ({result.returncode}); install Debian's "
-                f"`qemu-user` package by hand:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
-            )
-    found = shutil.which(QEMU)
-    assert found, f"apt-get installed qemu-user but {QEMU} is not on PATH"
-    return found
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("data")
-    prepare_dataset(DataParams(image_size=16, val_fraction=0.5), 2, out, progress=False)
-    return out
+    return str(debian_program(QEMU, "qemu-user", pytest.skip))
 
 
 def run_stages(root: Path, emulate: list[str], stages: tuple[str, ...] = ()) -> dict[str, str]:
@@ -117,9 +85,9 @@ def differing(a: dict[str, str], b: dict[str, str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def here(tmp_path_factory, data_dir) -> dict[str, str]:
+def here(tmp_path_factory, digits16) -> dict[str, str]:
     """The portable outputs on this CPU, the reference."""
-    root = write_project(tmp_path_factory.mktemp("here"), TINY, data_dir, **PORTABLE)
+    root = write_project(tmp_path_factory.mktemp("here"), TINY, digits16, **PORTABLE)
     outputs = run_stages(root, [])
     assert {"models/g_ema.pt", "models/featurenet.pt", "metrics/eval/metrics.json"} <= set(outputs)
     assert any(name.startswith("samples/images/") for name in outputs)
@@ -127,20 +95,20 @@ def here(tmp_path_factory, data_dir) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("model", CPUS)
-def test_portable_bits_are_the_same_on_an_emulated_cpu(tmp_path, data_dir, qemu, here, model):
-    there = run_stages(write_project(tmp_path, TINY, data_dir, **PORTABLE), [qemu, "-cpu", model])
+def test_portable_bits_are_the_same_on_an_emulated_cpu(tmp_path, digits16, qemu, here, model):
+    there = run_stages(write_project(tmp_path, TINY, digits16, **PORTABLE), [qemu, "-cpu", model])
     assert differing(here, there) == []
 
 
-def test_native_bits_are_not(tmp_path, data_dir, qemu):
+def test_native_bits_are_not(tmp_path, digits16, qemu):
     """The control: the native mode takes what each CPU offers (here AVX-512 against the
     emulated AMD's AVX2, oneDNN's convolutions, MKL's per-vendor code), and its bits differ
     from the first trained weights on: the feature network is enough to show it (oneDNN's
     code runs slowly under emulation)."""
     native = {"determinism": {"cpu_isa": "native"}}
-    here = run_stages(write_project(tmp_path / "here", TINY, data_dir, **native), [], ONE)
+    here = run_stages(write_project(tmp_path / "here", TINY, digits16, **native), [], ONE)
     there = run_stages(
-        write_project(tmp_path / "rome", TINY, data_dir, **native), [qemu, "-cpu", "EPYC-Rome"], ONE
+        write_project(tmp_path / "rome", TINY, digits16, **native), [qemu, "-cpu", "EPYC-Rome"], ONE
     )
     # the weights differ (their accuracy, metrics/featurenet.json, may round the same)
     assert {"models/featurenet.pt", "models/featurenet.sha256"} <= set(differing(here, there))
