@@ -144,9 +144,10 @@ def use_deterministic_algorithms(mode: bool) -> None:
     """``torch.use_deterministic_algorithms(mode)`` without loading torch's compiler.
 
     The public call also sets ``torch._inductor.config.deterministic`` and so imports
-    torch._inductor and torch._dynamo: about a second of start-up in every stage process and
-    every rank, for a flag ganpipe never reads (it compiles nothing with inductor). Where
-    something has loaded inductor already, its flag is set as the public call sets it.
+    torch._inductor and torch._dynamo, the compiler's start-up in every stage process that
+    builds no optimizer (generate, evaluate), for a flag ganpipe never reads: it compiles
+    nothing with inductor. Where something has loaded inductor already, its flag is set as
+    the public call sets it.
     """
     if "torch._inductor.config" in sys.modules:
         torch.use_deterministic_algorithms(mode)
