@@ -76,7 +76,7 @@ def trained(tmp_path_factory):
     (tests only read it)."""
     runs = {}
 
-    def run(data: Path, **sections) -> tuple[Path, str]:
+    def run(data: Path, /, **sections) -> tuple[Path, str]:
         config = parse_params(updated(TINY, sections)).model_dump(mode="json")
         key = json.dumps([str(data), config], sort_keys=True)
         if key not in runs:
