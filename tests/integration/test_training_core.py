@@ -18,7 +18,7 @@ import torch
 
 from ganpipe import augment, build, dist, loop, runtime, stream
 from ganpipe.data.dataset import LmdbImageDataset
-from ganpipe.params import parse_params
+from ganpipe.params import Params, parse_params
 from ganpipe.strategies import STRATEGIES, Batch
 from tests.conftest import REPO
 from tests.helpers import TINY_RESNET as RESNET_MODEL
@@ -438,3 +438,34 @@ def test_only_an_lmdb_set_read_as_uint8_is_held_resident(train16):
 def test_peak_rss_probe_is_available():
     # The strategies benchmark reads ru_maxrss; make sure this platform reports it.
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0
+
+
+def test_the_runtime_turns_determinism_on_without_loading_torch_s_compiler():
+    """torch.use_deterministic_algorithms imports torch._inductor for a flag of its own: a
+    stage that compiles nothing (generate, evaluate) sets torch's flag alone."""
+    code = (
+        "import sys; from ganpipe import cpu; from ganpipe.params import Params; "
+        "p = Params(); cpu.pin(p.determinism, p.devices); import torch; "
+        "from ganpipe import runtime; runtime.configure_runtime(0, p.devices, p.determinism); "
+        "print(torch.are_deterministic_algorithms_enabled(), "
+        "torch.is_deterministic_algorithms_warn_only_enabled(), 'torch._inductor' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.split() == ["True", "False", "False"], out.stderr[-2000:]
+    import torch._inductor.config  # loaded: its flag is set too, as torch's own call sets it
+
+    try:
+        runtime.use_deterministic_algorithms(False)
+        assert not torch.are_deterministic_algorithms_enabled()
+        assert torch._inductor.config.deterministic is False
+        runtime.use_deterministic_algorithms(True)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch._inductor.config.deterministic is True
+    finally:
+        runtime.use_deterministic_algorithms(Params().determinism.deterministic)
