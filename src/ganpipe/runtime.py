@@ -10,6 +10,7 @@ import os
 import platform
 import random
 import resource
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -134,9 +135,24 @@ def configure_runtime(
     random.seed(derive_seed(seed, "python", rank))
     np.random.seed(derive_seed(seed, "numpy", rank) % 2**32)
     torch.manual_seed(derive_seed(seed, "torch", rank))
-    torch.use_deterministic_algorithms(determinism.deterministic)
+    use_deterministic_algorithms(determinism.deterministic)
     torch.backends.cudnn.deterministic = determinism.deterministic
     torch.backends.cudnn.benchmark = determinism.cudnn_benchmark
+
+
+def use_deterministic_algorithms(mode: bool) -> None:
+    """``torch.use_deterministic_algorithms(mode)`` without loading torch's compiler.
+
+    The public call also sets ``torch._inductor.config.deterministic`` and so imports
+    torch._inductor and torch._dynamo, the compiler's start-up in every stage process that
+    builds no optimizer (generate, evaluate), for a flag ganpipe never reads: it compiles
+    nothing with inductor. Where something has loaded inductor already, its flag is set as
+    the public call sets it.
+    """
+    if "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(mode)
+    else:
+        torch._C._set_deterministic_algorithms(mode, warn_only=False)
 
 
 def apply_cpu_numerics(determinism: DeterminismParams) -> None:
