@@ -92,8 +92,8 @@ def build_gan(
 
     # On a GPU: one kernel per step, its state on the device, and no host read under fp16
     # (the GradScaler hands a fused optimizer its inf test as a tensor): what a CUDA graph
-    # needs (ganpipe.graphed). On CPU, the default kernels, as the CPU bits were (fused=None:
-    # False would also turn the default for-each kernels off).
+    # needs (ganpipe.graphed). On CPU, the default kernels (fused=None: False would also turn
+    # the default for-each kernels off), but Adam in the portable mode (below).
     fused = True if on_gpu else None
     if on_gpu:  # capturable optimizers warn on every step outside a capture; the warm-up
         # steps (and eager GPU runs) take those on purpose, with the same bits
