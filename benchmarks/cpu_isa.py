@@ -4,10 +4,13 @@ Runs the real train stage on the built-in digits with the default pipeline's mod
 widths 32, batch 64, 2 threads), alternating the two modes run by run. Throughput is read
 from each run's own measurements (``measurements/train``: ``perf/images_per_s`` per logging
 interval, the first one dropped as warm-up); the stage's wall time, start-up included, is
-reported too. The cost of the portable mode is the median over runs of native ÷ portable
-images/s, each ratio taken within one pair of consecutive runs (this shared machine is noisy).
+reported too, and the CPU seconds the stage process used per trained image (user + system,
+``getrusage`` of the finished child, start-up included: steadier than wall time on a shared
+machine, best at ``--threads 1``). The cost of the portable mode is the median over runs of
+native ÷ portable images/s, each ratio taken within one pair of consecutive runs (this
+shared machine is noisy).
 
-    python -m benchmarks.cpu_isa [--runs 5] [--kimg 6.4]
+    python -m benchmarks.cpu_isa [--runs 5] [--kimg 6.4] [--threads 2]
 
 Writes benchmarks/results/cpu_isa.json.
 """
@@ -19,6 +22,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -37,11 +41,12 @@ RESULTS = Path(__file__).parent / "results" / "cpu_isa.json"
 MODES = ("native", "portable")
 
 
-def run(root: Path, mode: str, kimg: float) -> tuple[float, float]:
-    """Train once in ``mode``; (median images/s after the first interval, wall seconds)."""
+def run(root: Path, mode: str, kimg: float, threads: int) -> tuple[float, float, float]:
+    """Train once in ``mode``; (median images/s after the first interval, wall seconds,
+    CPU seconds per image)."""
     params = {
         "seed": 0,
-        "devices": {"cpu_threads": 2},
+        "devices": {"cpu_threads": threads},
         "determinism": {"cpu_isa": mode},
         "model": {"g_width": 32, "d_width": 32},
         "train": {
@@ -58,43 +63,54 @@ def run(root: Path, mode: str, kimg: float) -> tuple[float, float]:
     # The stage pins its own mode; nothing of this process's environment may leak in.
     env = {k: v for k, v in os.environ.items() if k not in cpu.NUMERICS_ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO)])
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     began = time.perf_counter()
     subprocess.run(
         [sys.executable, "-m", "stages.train"], cwd=root, env=env, check=True, capture_output=True
     )
     wall = time.perf_counter() - began
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     rows = (root / "measurements/train/plots/metrics/perf/images_per_s.tsv").read_text()
     rates = [float(line.split("\t")[1]) for line in rows.splitlines()[1:]]
-    return statistics.median(rates[1:] if len(rates) > 2 else rates), wall
+    return statistics.median(rates[1:] if len(rates) > 2 else rates), wall, cpu_s / (kimg * 1000)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--kimg", type=float, default=6.4)
+    parser.add_argument("--threads", type=int, default=2, help="devices.cpu_threads")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     rates: dict[str, list[float]] = {m: [] for m in MODES}
     walls: dict[str, list[float]] = {m: [] for m in MODES}
+    cpu_per_image: dict[str, list[float]] = {m: [] for m in MODES}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         prepare_dataset(DataParams(), 0, root / "data", progress=False)
         for i in range(args.runs):
             for mode in MODES:
-                rate, wall = run(root, mode, args.kimg)
+                rate, wall, cpu_s = run(root, mode, args.kimg, args.threads)
                 rates[mode].append(rate)
                 walls[mode].append(wall)
-                print(f"run {i}: {mode}: {rate:,.0f} images/s, {wall:.1f} s", flush=True)
+                cpu_per_image[mode].append(cpu_s)
+                print(
+                    f"run {i}: {mode}: {rate:,.0f} images/s, {wall:.1f} s, "
+                    f"{cpu_s * 1000:.2f} CPU ms/image",
+                    flush=True,
+                )
     ratios = [n / p for n, p in zip(rates["native"], rates["portable"], strict=True)]
     result = {
         "images_per_s": {m: statistics.median(rates[m]) for m in MODES},
         "wall_s": {m: statistics.median(walls[m]) for m in MODES},
-        "runs": {"images_per_s": rates, "wall_s": walls},
+        "cpu_s_per_image": {m: statistics.median(cpu_per_image[m]) for m in MODES},
+        "runs": {"images_per_s": rates, "wall_s": walls, "cpu_s_per_image": cpu_per_image},
         "slowdown_median": statistics.median(ratios),
         "slowdown_runs": ratios,
         "setup": {
             "model": "DCGAN 32x32x1 (digits), widths 32, batch 64, BatchNorm, fp32",
-            "threads": 2,
+            "threads": args.threads,
             "kimg": args.kimg,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, {cpu.cpu_info()['model']}",
             "flags": cpu.cpu_info()["flags"],

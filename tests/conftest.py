@@ -104,6 +104,16 @@ def digits16(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def digits32(tmp_path_factory) -> Path:
+    """``digits16`` at 32 px (the resnet family's smallest size), read-only as well."""
+    from ganpipe.data.prepare import prepare_dataset
+
+    out = tmp_path_factory.mktemp("digits32")
+    prepare_dataset(DataParams(image_size=32, val_fraction=0.5), 4, out, progress=False)
+    return out
+
+
 @pytest.fixture(autouse=True)
 def _quiet_env(monkeypatch):
     monkeypatch.setenv("DVC_NO_ANALYTICS", "1")

@@ -7,8 +7,11 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,17 +108,49 @@ def experiments(project: Path) -> dict[str, dict]:
     return found
 
 
-def write_project(root: Path, base: dict, data_dir: Path | None = None, **sections) -> Path:
-    """A project folder: ``base`` params updated per section, ``data`` linked to ``data_dir``.
+#: The tiny run every test starts from (:func:`tiny_params`): the digits at 16 px, half of
+#: them in val (the ``digits16`` fixture's data), small networks on one CPU thread, a few
+#: iterations, no FID while training (it needs a feature network).
+TINY = {
+    "seed": 0,
+    "data": {"image_size": 16, "val_fraction": 0.5},
+    "devices": {"cpu_threads": 1},
+    "model": {"z_dim": 8, "g_width": 4, "d_width": 4},
+    "train": {"batch_size": 16, "kimg": 0.16, "log_every_kimg": 0.032, "metrics_kimg": 0},
+    "generate": {"grid_rows": 2},
+}
 
-    A dict value updates that section; any other value replaces the key.
-    """
+#: ``model`` keys of the resnet family at its smallest size, 32 px, with a few channels per
+#: resolution (the ``digits32`` fixture's data).
+TINY_RESNET = {
+    "arch": "resnet",
+    "g_channels": {4: 8, 8: 8, 16: 4, 32: 4},
+    "d_channels": {4: 8, 8: 4, 16: 4},
+}
+
+
+def updated(base: dict, sections: dict) -> dict:
+    """A copy of the params ``base`` with ``sections`` applied: a dict value updates that
+    section, any other value replaces the key."""
     params = json.loads(json.dumps(base))
     for name, values in sections.items():
         if isinstance(values, dict):
             params.setdefault(name, {}).update(values)
         else:
             params[name] = values
+    return params
+
+
+def tiny_params(**sections) -> dict:
+    """:data:`TINY` with ``sections`` applied (:func:`updated`), e.g.
+    ``tiny_params(seed=3, train={"kimg": 0.32})``: params.yaml's content as a dict."""
+    return updated(TINY, sections)
+
+
+def write_project(root: Path, base: dict, data_dir: Path | None = None, **sections) -> Path:
+    """A project folder: ``base`` params updated per section (:func:`updated`), ``data``
+    linked to ``data_dir``."""
+    params = updated(base, sections)
     root.mkdir(parents=True, exist_ok=True)
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     if data_dir is not None and not (root / "data").exists():
@@ -180,3 +215,32 @@ def graph_features(channels: int) -> dict[str, dict]:
             },
         },
     }
+
+
+def debian_program(
+    program: str, package: str, unavailable: Callable[[str], NoReturn] = pytest.fail
+) -> Path:
+    """``program`` (a path, or a name on PATH), installing Debian's ``package`` with apt-get
+    (as root) when it is missing; ``unavailable(reason)`` when it cannot be had."""
+    found = shutil.which(program)
+    if found:
+        return Path(found)
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        unavailable(
+            f"{program} is missing and this test cannot install it (needs apt-get as root): "
+            f"install Debian's `{package}` package"
+        )
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for args in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "-o", "DPkg::Lock::Timeout=300", package],
+    ):
+        result = subprocess.run(args, env=env, capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.fail(
+                f"`{' '.join(args)}` failed ({result.returncode}); install Debian's `{package}` "
+                f"package by hand:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+            )
+    found = shutil.which(program)
+    assert found, f"apt-get installed {package} but {program} is missing"
+    return Path(found)

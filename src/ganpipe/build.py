@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ganpipe import dist, runtime
+from ganpipe import dist, exact, runtime
 from ganpipe.augment import AdaptiveP, Augment
 from ganpipe.checkpoint import ModelFileError, init_files, read_model_file
 from ganpipe.dist import DistContext
@@ -92,8 +92,8 @@ def build_gan(
 
     # On a GPU: one kernel per step, its state on the device, and no host read under fp16
     # (the GradScaler hands a fused optimizer its inf test as a tensor): what a CUDA graph
-    # needs (ganpipe.graphed). On CPU, the default kernels, as the CPU bits were (fused=None:
-    # False would also turn the default for-each kernels off).
+    # needs (ganpipe.graphed). On CPU, the default kernels (fused=None: False would also turn
+    # the default for-each kernels off), but Adam in the portable mode (below).
     fused = True if on_gpu else None
     if on_gpu:  # capturable optimizers warn on every step outside a capture; the warm-up
         # steps (and eager GPU runs) take those on purpose, with the same bits
@@ -102,8 +102,15 @@ def build_gan(
     def optimizer(net: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
         if cfg.optimizer == "sgd":
             return torch.optim.SGD(net.parameters(), lr=scaled_lr(lr, cfg), fused=fused)
+        # On CPU in the portable mode Adam is fused too: the default step's torch.sqrt
+        # leaves bits to the processor (ganpipe.exact).
+        adam_fused = fused or exact.fused_adam(device)
         return torch.optim.Adam(
-            net.parameters(), lr=scaled_lr(lr, cfg), betas=cfg.betas, fused=fused, capturable=on_gpu
+            net.parameters(),
+            lr=scaled_lr(lr, cfg),
+            betas=cfg.betas,
+            fused=adam_fused,
+            capturable=on_gpu,
         )
 
     gan = Gan(

@@ -9,10 +9,13 @@ AVX2 machine (measured, see docs/reproducibility.md). ``determinism.cpu_isa`` ch
 
 - ``portable``: convolutions run as ATen's own im2col + GEMM instead of oneDNN or NNPACK
   (both switched off by :func:`ganpipe.runtime.configure_runtime`);
-  MKL uses its conditional-numerical-reproducibility branch ``COMPATIBLE`` (SSE2 without the
-  approximate rcpps/rsqrtps; MKL's AVX2 branch exists for Intel processors only and falls
-  back to per-CPU dispatch elsewhere, so it cannot give an AMD machine Intel's bits) with
-  exactly the threads it is given (``MKL_DYNAMIC=FALSE``, ``OMP_DYNAMIC=FALSE``); ATen's
+  MKL uses its conditional-numerical-reproducibility branch ``COMPATIBLE`` (SSE2 code, the
+  one branch meant for Intel and AMD alike: MKL's AVX2 branch exists for Intel processors
+  only and falls back to per-CPU dispatch elsewhere) with exactly the threads it is given
+  (``MKL_DYNAMIC=FALSE``, ``OMP_DYNAMIC=FALSE``). Some of that branch's vector-math kernels
+  (``sqrt``, ``acos``...) still start from the approximate ``rcpps``/``rsqrtps``, whose
+  tables are the processor's: the ops that reach them take IEEE-defined forms instead
+  (:mod:`ganpipe.exact`). ATen's
   kernels, Sleef transcendentals included, use their AVX2 build
   (``ATEN_CPU_CAPABILITY=avx2``); oneDNN, for anything that still reaches it, stops at AVX2
   (``ONEDNN_MAX_CPU_ISA=AVX2``). Every x86-64 CPU with AVX2 and FMA then computes the same

@@ -23,7 +23,7 @@ from torchmetrics.image.fid import FrechetInceptionDistance
 from torchmetrics.image.kid import KernelInceptionDistance
 from tqdm import tqdm
 
-from ganpipe import runtime
+from ganpipe import exact, runtime
 from ganpipe.checkpoint import hashed_bytes, load, read_hashed, read_model_file, write_bytes_atomic
 from ganpipe.errors import UserError
 from ganpipe.featurenet import from_record
@@ -297,7 +297,7 @@ def _kth_neighbour_radii(points: torch.Tensor, k: int, chunk: int = 1024) -> tor
     """Distance from each point to its k-th nearest other point of the same set."""
     radii = []
     for start in range(0, len(points), chunk):
-        d = torch.cdist(points[start : start + chunk], points)
+        d = exact.cdist(points[start : start + chunk], points)
         radii.append(d.kthvalue(k + 1, dim=1).values)  # k + 1: the point itself is at 0
     return torch.cat(radii)
 
@@ -306,7 +306,7 @@ def _coverage(reference: torch.Tensor, radii: torch.Tensor, queries: torch.Tenso
     """Share of ``queries`` inside at least one ball (reference point, radius)."""
     inside = 0
     for start in range(0, len(queries), 1024):
-        d = torch.cdist(queries[start : start + 1024], reference)
+        d = exact.cdist(queries[start : start + 1024], reference)
         inside += (d <= radii.unsqueeze(0)).any(dim=1).sum().item()
     return inside / len(queries)
 

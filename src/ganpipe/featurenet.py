@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from ganpipe import runtime
+from ganpipe import exact, runtime
 from ganpipe.params import FeaturenetParams
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ def train_featurenet(
     height, _, channels = shape
     torch.manual_seed(runtime.derive_seed(seed, "featurenet", "weights"))
     net = FeatureNet(channels, height, cfg.width, num_classes).to(device)
-    opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
+    opt = torch.optim.Adam(net.parameters(), lr=cfg.lr, fused=exact.fused_adam(device))
     order = runtime.seeded_generator(seed, "featurenet", "order")
     steps = cfg.epochs * -(-len(train_set) // cfg.batch_size)
     bar = tqdm(total=steps, desc="featurenet", unit="step", disable=not progress, mininterval=1.0)

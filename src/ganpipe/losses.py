@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ganpipe import exact
 from ganpipe.params import TrainParams
 
 Critic = Callable[[torch.Tensor], torch.Tensor]
@@ -64,7 +65,7 @@ def gradient_penalty(
     """
     eps = torch.rand(real.shape[0], 1, 1, 1, device=real.device)
     mixed = eps * real.detach().float() + (1 - eps) * fake.detach().float()
-    return weight * (_input_grad_sq_norm(d, mixed).sqrt() - 1).square().mean()
+    return weight * (exact.sqrt(_input_grad_sq_norm(d, mixed)) - 1).square().mean()
 
 
 def r1_penalty(d: Critic, real: torch.Tensor, gamma: float) -> torch.Tensor:

@@ -10,6 +10,7 @@ import os
 import platform
 import random
 import resource
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ganpipe import cpu
+from ganpipe import cpu, exact
 from ganpipe.params import DeterminismParams, DevicesParams
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -134,9 +135,24 @@ def configure_runtime(
     random.seed(derive_seed(seed, "python", rank))
     np.random.seed(derive_seed(seed, "numpy", rank) % 2**32)
     torch.manual_seed(derive_seed(seed, "torch", rank))
-    torch.use_deterministic_algorithms(determinism.deterministic)
+    use_deterministic_algorithms(determinism.deterministic)
     torch.backends.cudnn.deterministic = determinism.deterministic
     torch.backends.cudnn.benchmark = determinism.cudnn_benchmark
+
+
+def use_deterministic_algorithms(mode: bool) -> None:
+    """``torch.use_deterministic_algorithms(mode)`` without loading torch's compiler.
+
+    The public call also sets ``torch._inductor.config.deterministic`` and so imports
+    torch._inductor and torch._dynamo, the compiler's start-up in every stage process that
+    builds no optimizer (generate, evaluate), for a flag ganpipe never reads: it compiles
+    nothing with inductor. Where something has loaded inductor already, its flag is set as
+    the public call sets it.
+    """
+    if "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(mode)
+    else:
+        torch._C._set_deterministic_algorithms(mode, warn_only=False)
 
 
 def apply_cpu_numerics(determinism: DeterminismParams) -> None:
@@ -229,7 +245,8 @@ def numerics_record(
 
     Kept with the model files and in the run fingerprint: a checkpoint is resumed only
     under the same numerics. In the portable mode it holds nothing machine-specific, so
-    the model files of two machines stay byte-identical; ``native`` adds the CPU
+    the model files of two machines stay byte-identical, and names the ops computed in
+    IEEE-defined form (:data:`ganpipe.exact.PORTABLE_OPS`); ``native`` adds the CPU
     model and flags (its bits depend on them), a CUDA run the GPU model and library versions.
     """
     record: dict[str, object] = {
@@ -244,6 +261,8 @@ def numerics_record(
     }
     if determinism.cpu_isa == "native":
         record["cpu"] = cpu.cpu_info()
+    else:  # the ops the portable mode computes its own way (the CPU's approximations out)
+        record["exact_ops"] = exact.PORTABLE_OPS
     if device.type == "cuda":
         record["gpu"] = torch.cuda.get_device_name(device)
         record["cuda"] = torch.version.cuda

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from ganpipe import runtime
+from ganpipe import exact, runtime
 from ganpipe.checkpoint import write_bytes_atomic
 from ganpipe.files import NO_SPACE_ERRNOS, TMP_MARK, build_dir_for, no_space_error, replace_dir
 
@@ -101,7 +101,7 @@ def slerp(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     improbable low-norm points, the great circle does not.
     """
     a_n, b_n = a / a.norm(dim=-1, keepdim=True), b / b.norm(dim=-1, keepdim=True)
-    omega = torch.arccos((a_n * b_n).sum(-1, keepdim=True).clamp(-1.0, 1.0))
+    omega = exact.arccos((a_n * b_n).sum(-1, keepdim=True).clamp(-1.0, 1.0))
     so = torch.sin(omega)
     t = t.reshape(-1, 1)
     linear = (1 - t) * a + t * b

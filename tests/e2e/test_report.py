@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 import re
-import shutil
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +20,7 @@ from PIL import Image
 
 from reports.build import BUNDLES, LEFT_OUT, ReportError, build_report
 from tests.e2e.test_dvc_pipeline import TINY
-from tests.helpers import REPO, clone_working_tree, sh
+from tests.helpers import REPO, clone_working_tree, debian_program, sh
 
 # One worker builds the project and starts the browser once (module fixtures).
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("report")]
@@ -44,26 +41,7 @@ CHROMIUM_ARGS = [
 @pytest.fixture(scope="session")
 def chromium() -> Path:
     """Debian's Chromium, installed with apt-get (as root) when it is missing."""
-    if CHROMIUM.exists():
-        return CHROMIUM
-    if shutil.which("apt-get") is None or os.geteuid() != 0:
-        pytest.fail(
-            f"{CHROMIUM} is missing and this test cannot install it (needs apt-get as root): "
-            "install Debian's `chromium` package"
-        )
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for args in (
-        ["apt-get", "update", "-qq"],
-        ["apt-get", "install", "-y", "-qq", "-o", "DPkg::Lock::Timeout=300", "chromium"],
-    ):
-        result = subprocess.run(args, env=env, capture_output=True, text=True)
-        if result.returncode != 0:
-            pytest.fail(
-                f"`{' '.join(args)}` failed ({result.returncode}); install Debian's `chromium` "
-                f"package by hand:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
-            )
-    assert CHROMIUM.exists(), f"apt-get installed chromium but {CHROMIUM} is missing"
-    return CHROMIUM
+    return debian_program(str(CHROMIUM), "chromium")
 
 
 @pytest.fixture(scope="module")

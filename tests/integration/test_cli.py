@@ -23,29 +23,33 @@ from PIL import Image
 import ganpipe
 from ganpipe import runtime
 from ganpipe.checkpoint import save_atomic, torch_bytes
-from ganpipe.data.prepare import prepare_dataset
 from ganpipe.featurenet import FeatureNet, FeaturenetResult, record
 from ganpipe.nets import build_models
-from ganpipe.params import DataParams, FeaturenetParams, Params, parse_params
+from ganpipe.params import FeaturenetParams, Params, parse_params
 from ganpipe.sampling import generate, sample_latents, to_uint8
 from ganpipe_cli import build_parser, parse_seeds, parse_truncation
 from stages.train import model_record
 from tests.conftest import REPO, dir_digest
-from tests.helpers import run_stage, stage_env, write_project
+from tests.helpers import run_stage, stage_env, tiny_params, write_project
 
 # One worker trains the module's project once (a module fixture).
 pytestmark = pytest.mark.xdist_group("cli")
 #: A tiny run: the stages take a few seconds each.
-TINY = {
-    "seed": 2,
-    "data": {"image_size": 16, "val_fraction": 0.5},
-    "devices": {"accelerator": "cpu", "cpu_threads": 2},
-    "model": {"z_dim": 8, "g_width": 8, "d_width": 8},
-    "train": {"batch_size": 32, "kimg": 0.32, "snapshot_kimg": 1, "log_every_kimg": 0.16},
-    "featurenet": {"epochs": 1},
-    "eval": {"num_samples": 200, "kid_subset_size": 50, "kid_subsets": 5},
-    "generate": {"grid_rows": 2, "num_images": 20, "interpolation_rows": 1},
-}
+TINY = tiny_params(
+    seed=2,
+    devices={"accelerator": "cpu", "cpu_threads": 2},
+    model={"g_width": 8, "d_width": 8},
+    train={
+        "batch_size": 32,
+        "kimg": 0.32,
+        "snapshot_kimg": 1,
+        "log_every_kimg": 0.16,
+        "metrics_kimg": 10,  # as by default: one FID point, at the end
+    },
+    featurenet={"epochs": 1},
+    eval={"num_samples": 200, "kid_subset_size": 50, "kid_subsets": 5},
+    generate={"num_images": 20, "interpolation_rows": 1},
+)
 
 
 def ganpipe_cmd(root: Path, *args: str) -> subprocess.CompletedProcess:
@@ -269,14 +273,6 @@ RESNET = {
     "g_channels": {4: 4, 8: 4, 16: 4, 32: 4},
     "d_channels": {4: 4, 8: 4, 16: 4, 32: 4},
 }
-
-
-@pytest.fixture(scope="module")
-def digits32(tmp_path_factory) -> Path:
-    """data/ of the digits at 32 px (10 classes), for conditional generators."""
-    out = tmp_path_factory.mktemp("digits32") / "data"
-    prepare_dataset(DataParams(image_size=32, val_fraction=0.5), 0, out, progress=False)
-    return out
 
 
 def featurenet_file(models: Path, task: str, num_classes: int) -> None:

@@ -7,47 +7,44 @@ import torch
 
 from ganpipe import build, evaluation, loop, stream
 from ganpipe.data.dataset import LmdbImageDataset
-from ganpipe.data.prepare import prepare_dataset
 from ganpipe.dist import DistContext
 from ganpipe.featurenet import Embedding, FeatureNet
-from ganpipe.params import DataParams, parse_params
+from ganpipe.params import parse_params
 from ganpipe.sampling import export_pngs, sample_grid, sample_labels
+from tests.helpers import tiny_params
 
 CPU = torch.device("cpu")
-RAW = {
-    "seed": 2,
-    "data": {"image_size": 32},
-    "devices": {"cpu_threads": 1},
-    "model": {
+RAW = tiny_params(
+    seed=2,
+    data={"image_size": 32},
+    model={
         "arch": "resnet",
         "conditional": True,
-        "z_dim": 8,
         "g_channels": {4: 8, 8: 8, 16: 8, 32: 8},
         "d_channels": {4: 8, 8: 8, 16: 8},
     },
-    "train": {"batch_size": 16, "kimg": 0.064, "log_every_kimg": 0.032, "snapshot_kimg": 1},
-    "generate": {"grid_rows": 3},
-}
+    train={"kimg": 0.064, "snapshot_kimg": 1},
+    generate={"grid_rows": 3},
+)
 
 
 @pytest.fixture(scope="module")
-def digits32(tmp_path_factory) -> LmdbImageDataset:
-    out = tmp_path_factory.mktemp("digits32")
-    prepare_dataset(DataParams(image_size=32), 0, out, progress=False)
-    return LmdbImageDataset(out / "train.lmdb", as_uint8=True)
+def train32(digits32) -> LmdbImageDataset:
+    """The training split of the shared digits at 32 px."""
+    return LmdbImageDataset(digits32 / "train.lmdb", as_uint8=True)
 
 
-def test_batches_carry_the_real_labels_and_seeded_fake_labels(digits32):
+def test_batches_carry_the_real_labels_and_seeded_fake_labels(train32):
     params = parse_params(RAW)
     context = DistContext(device=CPU)
-    first = stream.Stream(params, digits32, context, 0, 4, num_classes=10).next(0)[0]
-    order = stream.EpochBatchSampler(len(digits32), 16, params.seed, 0, 1)
+    first = stream.Stream(params, train32, context, 0, 4, num_classes=10).next(0)[0]
+    order = stream.EpochBatchSampler(len(train32), 16, params.seed, 0, 1)
     indices = next(iter(order))
-    assert torch.equal(first.real_labels, torch.from_numpy(digits32.labels()[indices]))
+    assert torch.equal(first.real_labels, torch.from_numpy(train32.labels()[indices]))
     assert torch.equal(first.fake_labels, stream.fake_labels(params.seed, 0, 16, 10))
     assert not torch.equal(first.fake_labels, stream.fake_labels(params.seed, 1, 16, 10))
     # rank 1 of 2 takes the second half of the global batch's labels, real and fake
-    half = stream.Stream(params, digits32, DistContext(1, 1, 2, CPU), 0, 4, 10).next(0)[0]
+    half = stream.Stream(params, train32, DistContext(1, 1, 2, CPU), 0, 4, 10).next(0)[0]
     assert torch.equal(half.real_labels, first.real_labels[8:])
     assert torch.equal(half.fake_labels, first.fake_labels[8:])
 
@@ -69,8 +66,8 @@ def test_a_conditional_model_needs_two_classes():
     assert build.conditional_classes(unconditional, Counted([7])) is None
 
 
-def test_a_conditional_run_draws_each_class_on_request(digits32, tmp_path):
-    result = loop.train(parse_params(RAW), digits32, CPU, progress=False)
+def test_a_conditional_run_draws_each_class_on_request(train32, tmp_path):
+    result = loop.train(parse_params(RAW), train32, CPU, progress=False)
     assert result.num_classes == 10
     g = result.g_ema
     z = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))

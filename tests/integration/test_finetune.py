@@ -16,14 +16,12 @@ from ganpipe.build import build_gan
 from ganpipe.checkpoint import MODEL_FILES, ModelFileError, load, run_fingerprint
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.params import INIT_DIR, parse_params
-from tests.helpers import REPO, run_stage, sh, write_project
+from tests.helpers import REPO, run_stage, sh, tiny_params, write_project
 
-RUN = {
-    "seed": 5,
-    "data": {"image_size": 16, "val_fraction": 0.5},
-    "devices": {"cpu_threads": 1},
-    "model": {"z_dim": 16, "g_width": 8, "d_width": 8, "norm": "batch"},
-    "train": {
+RUN = tiny_params(
+    seed=5,
+    model={"z_dim": 16, "g_width": 8, "d_width": 8, "norm": "batch"},
+    train={
         "batch_size": 32,
         "kimg": 0.32,
         "checkpoint_kimg": 0.064,
@@ -31,24 +29,17 @@ RUN = {
         "log_every_kimg": 0.064,
         "snapshot_kimg": 100,
         "ema_kimg": 0.1,
-        "metrics_kimg": 0,
     },
-    "generate": {"grid_rows": 2},
-}
+)
 INIT = f"{INIT_DIR}/pre"
 RUN_TRAIN = parse_params(RUN).train
 """The same run without init_from."""
 
 
 @pytest.fixture(scope="module")
-def data_dir(digits16: Path) -> Path:
-    return digits16
-
-
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory, data_dir) -> Path:
+def pretrained(tmp_path_factory, digits16) -> Path:
     """The models/ folder of a short run of the real train stage."""
-    root = write_project(tmp_path_factory.mktemp("pre"), RUN, data_dir, seed=1)
+    root = write_project(tmp_path_factory.mktemp("pre"), RUN, digits16, seed=1)
     done = run_stage(root, "train")
     assert done.returncode == 0, done.stderr[-3000:]
     return root / "models"
@@ -73,10 +64,10 @@ def file_states(models: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def test_a_file_of_other_shapes_stops_the_stage_naming_the_first_layer(
-    tmp_path, data_dir, pretrained
+    tmp_path, digits16, pretrained
 ):
     """d_width 4 against a file made with 8: G fits, D's first convolution does not."""
-    root = fine_tune_project(tmp_path, data_dir, pretrained, model={"d_width": 4})
+    root = fine_tune_project(tmp_path, digits16, pretrained, model={"d_width": 4})
     done = run_stage(root, "train")
     assert done.returncode == 2, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
@@ -91,11 +82,11 @@ def test_a_file_of_other_shapes_stops_the_stage_naming_the_first_layer(
 
 
 def test_misfits_are_found_past_the_first_layer_and_load_nothing(
-    tmp_path, monkeypatch, data_dir, pretrained
+    tmp_path, monkeypatch, digits16, pretrained
 ):
     """A file made with BatchNorm against layer norm: every tensor of these params is in it,
     with its shape, but it has running statistics they do not make."""
-    root = fine_tune_project(tmp_path, data_dir, pretrained, model={"norm": "layer"})
+    root = fine_tune_project(tmp_path, digits16, pretrained, model={"norm": "layer"})
     monkeypatch.chdir(root)
     with pytest.raises(ModelFileError) as info:
         build_gan(params_of(root), torch.device("cpu"))
@@ -116,9 +107,9 @@ def test_misfits_are_found_past_the_first_layer_and_load_nothing(
     ],
 )
 def test_a_missing_or_foreign_file_is_named(
-    tmp_path, monkeypatch, data_dir, pretrained, damage, words
+    tmp_path, monkeypatch, digits16, pretrained, damage, words
 ):
-    root = fine_tune_project(tmp_path, data_dir, pretrained)
+    root = fine_tune_project(tmp_path, digits16, pretrained)
     init = root / INIT
     if damage == "no folder":
         shutil.rmtree(init)
@@ -137,11 +128,11 @@ def test_a_missing_or_foreign_file_is_named(
 
 
 def test_the_first_step_starts_from_exactly_the_files_weights(
-    tmp_path, monkeypatch, data_dir, pretrained
+    tmp_path, monkeypatch, digits16, pretrained
 ):
     """The strategy's first call sees G, D and the EMA holding the files' tensors, and
     optimizers without state (they start afresh)."""
-    root = fine_tune_project(tmp_path, data_dir, pretrained, train={"kimg": 0.064})
+    root = fine_tune_project(tmp_path, digits16, pretrained, train={"kimg": 0.064})
     monkeypatch.chdir(root)
     params = params_of(root)
     seen = []
@@ -185,11 +176,11 @@ def test_the_first_step_starts_from_exactly_the_files_weights(
 
 
 def test_a_fine_tune_resumes_its_own_checkpoint_to_the_same_bytes(
-    tmp_path, monkeypatch, data_dir, pretrained, caplog
+    tmp_path, monkeypatch, digits16, pretrained, caplog
 ):
     """A checkpoint of the fine-tune wins over init_from: stopped and resumed, the run ends
     with the bytes of one never stopped."""
-    root = fine_tune_project(tmp_path, data_dir, pretrained)
+    root = fine_tune_project(tmp_path, digits16, pretrained)
     monkeypatch.chdir(root)
     params = params_of(root)
     dataset = LmdbImageDataset(root / "data/train.lmdb", as_uint8=True)
@@ -212,9 +203,9 @@ def test_a_fine_tune_resumes_its_own_checkpoint_to_the_same_bytes(
 
 
 def test_the_init_files_content_is_part_of_the_run_fingerprint(
-    tmp_path, monkeypatch, data_dir, pretrained
+    tmp_path, monkeypatch, digits16, pretrained
 ):
-    root = fine_tune_project(tmp_path, data_dir, pretrained)
+    root = fine_tune_project(tmp_path, digits16, pretrained)
     monkeypatch.chdir(root)
     params = params_of(root)
     numerics = {"device": "cpu"}

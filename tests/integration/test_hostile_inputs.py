@@ -54,7 +54,7 @@ from ganpipe.files import OutputsBusyError, locked_dir, no_space_error, size_tex
 from ganpipe.nets import DcganGenerator
 from ganpipe.params import DataParams, Params
 from tests.conftest import data_params, dir_digest, random_image, solid_image
-from tests.helpers import run_stage, stage_env
+from tests.helpers import run_stage, stage_env, tiny_params
 
 # --- helpers ------------------------------------------------------------------------------
 
@@ -956,29 +956,24 @@ def test_a_flipped_bit_in_the_feature_cache_is_caught_and_the_cache_rebuilt(tmp_
     assert "cannot be used" not in caplog.text
 
 
-TINY_RUN = {
-    "seed": 4,
-    "data": {"image_size": 16, "val_fraction": 0.5},
-    "devices": {"accelerator": "cpu", "cpu_threads": 1},
-    "model": {"z_dim": 16, "g_width": 8, "d_width": 8},
-    "train": {
+TINY_RUN = tiny_params(
+    seed=4,
+    devices={"accelerator": "cpu"},
+    model={"z_dim": 16, "g_width": 8, "d_width": 8},
+    train={
         "batch_size": 32,
         "kimg": 0.64,
         "checkpoint_kimg": 0.32,
         "keep_checkpoints": 3,
         "log_every_kimg": 0.32,
         "snapshot_kimg": 100,
-        "metrics_kimg": 0,  # FID while training needs a feature network: test_train_metrics
     },
-    "generate": {"grid_rows": 2},
-}
+)
 
 
 @pytest.fixture(scope="module")
-def tiny_train_set(tmp_path_factory) -> LmdbImageDataset:
-    out = tmp_path_factory.mktemp("data")
-    prepare_dataset(DataParams(image_size=16, val_fraction=0.5), 4, out, progress=False)
-    return LmdbImageDataset(out / "train.lmdb", as_uint8=True)
+def tiny_train_set(digits16) -> LmdbImageDataset:
+    return LmdbImageDataset(digits16 / "train.lmdb", as_uint8=True)
 
 
 def train_tiny(run_dir: Path, dataset: LmdbImageDataset, **train) -> dict[str, torch.Tensor]:
@@ -1066,7 +1061,7 @@ def checkpoint_files(run_dir: Path) -> dict[str, bytes]:
 
 
 def test_a_full_disk_during_a_checkpoint_says_how_much_space_is_needed(
-    tmp_path, monkeypatch, capsys
+    tmp_path, digits16, monkeypatch, capsys
 ):
     """keep_checkpoints=1 never deletes the only checkpoint before its successor is written:
     the stage stops with one error saying how much is needed, the checkpoint and the models
@@ -1074,9 +1069,7 @@ def test_a_full_disk_during_a_checkpoint_says_how_much_space_is_needed(
     from stages import train as train_stage
 
     project = tmp_path
-    prepare_dataset(
-        DataParams(image_size=16, val_fraction=0.5), 4, project / "data", progress=False
-    )
+    (project / "data").symlink_to(digits16)
     config = {**TINY_RUN, "train": {**TINY_RUN["train"], "kimg": 0.32}}
     (project / "params.yaml").write_text(yaml.safe_dump(config))
     monkeypatch.chdir(project)

@@ -19,13 +19,12 @@ import torch
 
 from ganpipe import evaluation
 from ganpipe.data.dataset import LmdbImageDataset
-from ganpipe.data.prepare import prepare_dataset
 from ganpipe.featurenet import Embedding, FeatureNet
 from ganpipe.files import NoSpaceError
 from ganpipe.nets import build_generator
-from ganpipe.params import DataParams, ModelParams
+from ganpipe.params import ModelParams
 from ganpipe.sampling import export_pngs
-from tests.helpers import stage_env, write_project
+from tests.helpers import stage_env, tiny_params, write_project
 
 LIMIT = 64 * 1024  # bytes a file may grow to under the test's `ulimit -f`
 
@@ -63,24 +62,11 @@ def test_an_atomic_write_past_the_file_size_limit_keeps_the_old_file(tmp_path):
     assert [p.name for p in target.parent.iterdir()] == ["g_ema.pt"]  # no temporary left
 
 
-def test_train_past_the_file_size_limit_ends_in_one_error_line(tmp_path):
-    data = tmp_path / "data"
-    prepare_dataset(DataParams(image_size=16, val_fraction=0.5), 0, data, progress=False)
+def test_train_past_the_file_size_limit_ends_in_one_error_line(tmp_path, digits16):
     root = write_project(
         tmp_path / "project",
-        {
-            "devices": {"cpu_threads": 1},
-            "data": {"image_size": 16, "val_fraction": 0.5},
-            "model": {"z_dim": 8, "g_width": 16, "d_width": 16},
-            "train": {
-                "batch_size": 16,
-                "kimg": 0.064,
-                "log_every_kimg": 0.032,
-                "metrics_kimg": 0,
-            },
-            "generate": {"grid_rows": 2},
-        },
-        data,
+        tiny_params(model={"g_width": 16, "d_width": 16}, train={"kimg": 0.064}),
+        digits16,
     )
     result = subprocess.run(
         [sys.executable, "-m", "stages.train"],
@@ -100,9 +86,8 @@ def test_train_past_the_file_size_limit_ends_in_one_error_line(tmp_path):
 
 
 @pytest.fixture
-def val_split(tmp_path) -> LmdbImageDataset:
-    prepare_dataset(DataParams(image_size=16, val_fraction=0.5), 0, tmp_path, progress=False)
-    return LmdbImageDataset(tmp_path / "val.lmdb")
+def val_split(digits16) -> LmdbImageDataset:
+    return LmdbImageDataset(digits16 / "val.lmdb")
 
 
 def test_a_feature_cache_past_the_file_size_limit_is_skipped_with_a_warning(

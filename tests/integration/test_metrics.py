@@ -16,25 +16,27 @@ from ganpipe.data.prepare import prepare_dataset
 from ganpipe.featurenet import Embedding, train_featurenet
 from ganpipe.params import DataParams, FeaturenetParams, parse_params
 from tests import helpers
-from tests.helpers import write_project
+from tests.helpers import tiny_params, write_project
 
 # One worker trains the module's generators once (module fixtures).
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("metrics")]
 CPU = torch.device("cpu")
-GAN = {
-    "seed": 2,
-    "data": {"image_size": 16, "val_fraction": 0.5},
-    "devices": {"cpu_threads": 2},
-    "model": {"z_dim": 32, "g_width": 16, "d_width": 16},
-    "train": {"batch_size": 64, "kimg": 60, "ema_kimg": 2, "log_every_kimg": 20},
-    "featurenet": {"epochs": 6},
-    "eval": {"num_samples": 500, "kid_subset_size": 100, "kid_subsets": 20},
-    "generate": {"grid_rows": 2},
-}
+#: Long enough a run that the trained generator scores far better than an untrained one
+#: (shorter runs, even at a higher learning rate, fall short of the 5x margin below).
+GAN = tiny_params(
+    seed=2,
+    devices={"cpu_threads": 2},
+    model={"z_dim": 32, "g_width": 16, "d_width": 16},
+    train={"batch_size": 64, "kimg": 60, "ema_kimg": 2, "log_every_kimg": 20},
+    featurenet={"epochs": 6},
+    eval={"num_samples": 500, "kid_subset_size": 100, "kid_subsets": 20},
+)
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
+    """The digits at 16 px with split seed 0, where the thresholds below were measured (not
+    the shared ``digits16``)."""
     out = tmp_path_factory.mktemp("digits")
     prepare_dataset(DataParams(image_size=16, val_fraction=0.5), 0, out, progress=False)
     return out

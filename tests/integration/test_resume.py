@@ -18,20 +18,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from ganpipe import checkpoint, dist, loop, runtime, strategies, stream
+from ganpipe import checkpoint, dist, exact, loop, runtime, strategies, stream
 from ganpipe.checkpoint import load, load_newest_checkpoint, run_fingerprint, save_checkpoint
 from ganpipe.data.dataset import LmdbImageDataset
-from ganpipe.data.prepare import prepare_dataset
 from ganpipe.files import NoSpaceError
-from ganpipe.params import DataParams, parse_params
-from tests.helpers import Recorder, descendants, stage_env, write_project
+from ganpipe.params import parse_params
+from tests.helpers import TINY_RESNET, Recorder, descendants, stage_env, tiny_params, write_project
 
-RUN = {
-    "seed": 4,
-    "data": {"image_size": 16, "val_fraction": 0.5},
-    "devices": {"cpu_threads": 1, "timeout_s": 30},
-    "model": {"z_dim": 16, "g_width": 8, "d_width": 8, "norm": "batch"},
-    "train": {
+#: 100 iterations of a small DCGAN with BatchNorm, a checkpoint every 10.
+RUN = tiny_params(
+    seed=4,
+    devices={"timeout_s": 30},
+    model={"z_dim": 16, "g_width": 8, "d_width": 8, "norm": "batch"},
+    train={
         "batch_size": 32,
         "kimg": 3.2,
         "checkpoint_kimg": 0.32,
@@ -39,21 +38,13 @@ RUN = {
         "log_every_kimg": 0.32,
         "snapshot_kimg": 100,
         "ema_kimg": 0.5,
-        "metrics_kimg": 0,  # FID while training needs a feature network: test_train_metrics
+        # metrics_kimg 0: FID while training needs a feature network (test_train_metrics)
     },
-    "generate": {"grid_rows": 2},
-}
+)
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("data")
-    prepare_dataset(DataParams(image_size=16, val_fraction=0.5), 4, out, progress=False)
-    return out
-
-
-def project(root: Path, data_dir: Path, **sections) -> Path:
-    return write_project(root, RUN, data_dir, **sections)
+def project(root: Path, digits16: Path, **sections) -> Path:
+    return write_project(root, RUN, digits16, **sections)
 
 
 def start(root: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -127,21 +118,6 @@ if _flag:
 """
 
 
-@pytest.fixture(scope="module")
-def data_dir32(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("data32")
-    prepare_dataset(DataParams(image_size=32, val_fraction=0.5), 4, out, progress=False)
-    return out
-
-
-#: The resnet family at 32 px with a few channels (BatchNorm in G, spectral norm in D).
-RESNET = {
-    "arch": "resnet",
-    "g_channels": {4: 8, 8: 8, 16: 4, 32: 4},
-    "d_channels": {4: 8, 8: 4, 16: 4},
-}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("world", "precision", "loss", "arch"),
@@ -154,7 +130,7 @@ RESNET = {
     ],
 )
 def test_sigkill_at_random_moments_then_resume_gives_the_same_bytes(
-    tmp_path, data_dir, data_dir32, world, precision, loss, arch
+    tmp_path, digits16, digits32, world, precision, loss, arch
 ):
     # wgan_gp draws its interpolation weights from the global torch RNG every step: the
     # run only ends with the same bytes if every rank's RNG state is restored exactly.
@@ -165,11 +141,12 @@ def test_sigkill_at_random_moments_then_resume_gives_the_same_bytes(
         "model": {"norm": "layer" if loss == "wgan_gp" else "batch"},
         "train": {"checkpoint_kimg": 0.16, "loss": loss},
     }
+    data = digits16
     if arch == "resnet":
-        sections["model"].update(RESNET)
+        sections["model"].update(TINY_RESNET)  # BatchNorm in G, spectral norm in D
         sections["data"] = {"image_size": 32}
-        data_dir = data_dir32
-    reference = project(tmp_path / "reference", data_dir, **sections)
+        data = digits32
+    reference = project(tmp_path / "reference", data, **sections)
     proc = start(reference)
     while proc.poll() is None and newest(reference) is None:
         time.sleep(0.005)
@@ -178,7 +155,7 @@ def test_sigkill_at_random_moments_then_resume_gives_the_same_bytes(
     window = time.monotonic() - first_checkpoint  # training time after the first checkpoint
     expected = digest(reference)
 
-    root = project(tmp_path / "killed", data_dir, **sections)
+    root = project(tmp_path / "killed", data, **sections)
     faults = tmp_path / "faults"
     faults.mkdir()
     (faults / "sitecustomize.py").write_text(STALL_WRITES)
@@ -243,13 +220,13 @@ def logged_values(root: Path) -> dict[str, list[tuple[str, str]]]:
 
 
 @pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_exits_non_zero(tmp_path, data_dir):
+def test_sigterm_saves_a_checkpoint_and_exits_non_zero(tmp_path, digits16):
     # Long enough that the signal, sent once the first checkpoint exists, lands mid-training
     # (a fixed delay once landed after training, in the interpreter's exit).
     longer = {"kimg": 16}
-    reference = project(tmp_path / "reference", data_dir, train=longer)
+    reference = project(tmp_path / "reference", digits16, train=longer)
     finish(start(reference))
-    root = project(tmp_path / "stopped", data_dir, train=longer)
+    root = project(tmp_path / "stopped", digits16, train=longer)
     proc = start_until_a_checkpoint(root)
     os.killpg(proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
@@ -261,11 +238,11 @@ def test_sigterm_saves_a_checkpoint_and_exits_non_zero(tmp_path, data_dir):
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_two_ddp_processes_with_a_checkpoint(tmp_path, data_dir):
+def test_ctrl_c_stops_two_ddp_processes_with_a_checkpoint(tmp_path, digits16):
     """SIGINT to the stage's process group, as Ctrl-C in a terminal sends it: torchrun (in a
     session of its own) gets it once, through the stage; every rank saves and stops."""
     sections = {"devices": {"nproc_per_node": 2}, "train": {"kimg": 16}}
-    root = project(tmp_path / "stopped", data_dir, **sections)
+    root = project(tmp_path / "stopped", digits16, **sections)
     proc = start_until_a_checkpoint(root)
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=120)
@@ -348,6 +325,9 @@ def test_the_numerics_are_part_of_the_fingerprint():
     assert record["cpu_isa"] == "portable" and record["aten_cpu_capability"] == "AVX2"
     assert record["mkldnn"] is False and record["mkl_cbwr"] == "COMPATIBLE"
     assert "cpu" not in record  # portable: nothing of this machine, so files match elsewhere
+    assert record["exact_ops"] == exact.PORTABLE_OPS  # its own sqrt, Adam...: named
+    older = {k: v for k, v in record.items() if k != "exact_ops"}  # a run from before them
+    assert run_fingerprint(params, "", older)[0] != run_fingerprint(params, "", record)[0]
     native = changed("determinism", cpu_isa="native")
     assert numerics(native)["cpu"]["flags"]  # native bits belong to this CPU model
     other_torch = {**record, "torch": "0.0.0"}
@@ -355,15 +335,15 @@ def test_the_numerics_are_part_of_the_fingerprint():
 
 
 @pytest.mark.slow
-def test_changed_params_start_fresh_and_leave_the_old_run_alone(tmp_path, data_dir):
-    root = project(tmp_path / "p", data_dir, train={"kimg": 0.64})
+def test_changed_params_start_fresh_and_leave_the_old_run_alone(tmp_path, digits16):
+    root = project(tmp_path / "p", digits16, train={"kimg": 0.64})
     finish(start(root))
     first_runs = sorted(p.name for p in (root / "checkpoints").iterdir())
-    project(root, data_dir, train={"kimg": 0.64, "lr_d": 1e-3})
+    project(root, digits16, train={"kimg": 0.64, "lr_d": 1e-3})
     err = finish(start(root))
     assert "no checkpoint for these params" in err and first_runs[0] in err
     assert len(list((root / "checkpoints").iterdir())) == 2
-    project(root, data_dir, train={"kimg": 0.96, "lr_d": 1e-3})  # longer: resumes
+    project(root, digits16, train={"kimg": 0.96, "lr_d": 1e-3})  # longer: resumes
     err = finish(start(root))
     assert "resumed from" in err and "000000000640" in err
 
@@ -440,18 +420,18 @@ def test_a_checkpoint_of_another_run_is_skipped(tmp_path, caplog):
     assert load_newest_checkpoint(run_dir, "0" * 64) is None
 
 
-def test_stale_temporaries_of_killed_writes_are_removed(tmp_path, data_dir):
+def test_stale_temporaries_of_killed_writes_are_removed(tmp_path, digits16):
     params = parse_params({**RUN, "train": {**RUN["train"], "kimg": 0.32}})
     stale = tmp_path / ".ckpt-000000000032.pt.tmp-4242"
     stale.parent.mkdir(parents=True, exist_ok=True)
     stale.write_bytes(b"half a checkpoint")
-    dataset = LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True)
+    dataset = LmdbImageDataset(digits16 / "train.lmdb", as_uint8=True)
     loop.train(params, dataset, torch.device("cpu"), progress=False, run_dir=tmp_path)
     assert not stale.exists()
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["ckpt-000000000320.pt"]
 
 
-def test_a_diverged_run_keeps_the_last_good_checkpoint(tmp_path, data_dir, monkeypatch):
+def test_a_diverged_run_keeps_the_last_good_checkpoint(tmp_path, digits16, monkeypatch):
     calls = {"n": 0}
     move = stream.to_device_images
 
@@ -463,17 +443,17 @@ def test_a_diverged_run_keeps_the_last_good_checkpoint(tmp_path, data_dir, monke
     monkeypatch.setattr(stream, "to_device_images", poisoned)
     params = parse_params(RUN)  # checkpoints every 10 iterations
     assert_diverges_keeping_the_first_checkpoint(
-        params, data_dir, tmp_path / "run", "non-finite loss at step 15"
+        params, digits16, tmp_path / "run", "non-finite loss at step 15"
     )
 
 
-def assert_diverges_keeping_the_first_checkpoint(params, data_dir, run_dir, message):
+def assert_diverges_keeping_the_first_checkpoint(params, digits16, run_dir, message):
     """Training stops with ``message``; only the checkpoint of iteration 10 (320 images),
     made before the divergence, is on disk."""
     with pytest.raises(FloatingPointError, match=message):
         loop.train(
             params,
-            LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True),
+            LmdbImageDataset(digits16 / "train.lmdb", as_uint8=True),
             torch.device("cpu"),
             progress=False,
             run_dir=run_dir,
@@ -483,7 +463,7 @@ def assert_diverges_keeping_the_first_checkpoint(params, data_dir, run_dir, mess
     ]
 
 
-def test_non_finite_weights_are_never_checkpointed(tmp_path, data_dir, monkeypatch):
+def test_non_finite_weights_are_never_checkpointed(tmp_path, digits16, monkeypatch):
     """The loss of a step is computed before its update: a step that turns the weights
     non-finite shows a finite loss. The weights are checked before every save."""
     strategy = strategies.STRATEGIES["d_first_detach"]
@@ -499,7 +479,7 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path, data_dir, monkeypat
 
     monkeypatch.setitem(strategies.STRATEGIES, "d_first_detach", poisoning)
     assert_diverges_keeping_the_first_checkpoint(
-        parse_params(RUN), data_dir, tmp_path / "run", "non-finite weights after step 20"
+        parse_params(RUN), digits16, tmp_path / "run", "non-finite weights after step 20"
     )
 
 
@@ -530,14 +510,14 @@ def without_measurements(records):
     ]
 
 
-def test_a_resumed_run_writes_the_whole_log_again(tmp_path, data_dir):
+def test_a_resumed_run_writes_the_whole_log_again(tmp_path, digits16):
     """DVC clears the log before it reruns the stage: the resumed run's log must hold the
     records and grids from before the interruption too, as if it had never stopped."""
     params = parse_params({**RUN, "train": {**RUN["train"], "kimg": 0.96, "log_every_kimg": 0.064}})
     params = params.model_copy(
         update={"train": params.train.model_copy(update={"snapshot_kimg": 0.192})}
     )
-    dataset = LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True)
+    dataset = LmdbImageDataset(digits16 / "train.lmdb", as_uint8=True)
     whole = Recorder()
     loop.train(params, dataset, torch.device("cpu"), whole, False, tmp_path / "a")
 
@@ -558,7 +538,7 @@ def test_a_resumed_run_writes_the_whole_log_again(tmp_path, data_dir):
     assert [seen for seen, _ in whole.grids] == [192, 384, 576, 768, 960]
 
 
-def test_an_augmented_run_resumes_to_the_same_bytes(tmp_path, data_dir):
+def test_an_augmented_run_resumes_to_the_same_bytes(tmp_path, digits16):
     """The augmentation draws are functions of the seed and the batch, and ADA's p is part
     of the checkpoint: a run interrupted and resumed augments every batch as the
     uninterrupted run does, with the same p at every step."""
@@ -573,7 +553,7 @@ def test_an_augmented_run_resumes_to_the_same_bytes(tmp_path, data_dir):
     }
     raw = {**RUN, "train": train}
     params = parse_params(raw)
-    dataset = LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True)
+    dataset = LmdbImageDataset(digits16 / "train.lmdb", as_uint8=True)
     log_whole = Recorder()
     whole = loop.train(params, dataset, torch.device("cpu"), log_whole, False, tmp_path / "a")
     polls = {"n": 0}
@@ -606,14 +586,14 @@ def test_an_augmented_run_resumes_to_the_same_bytes(tmp_path, data_dir):
     assert any(not torch.equal(v, d_plain[k]) for k, v in whole.d.state_dict().items())
 
 
-def test_a_mirrored_run_resumes_to_the_same_bytes(tmp_path, data_dir):
+def test_a_mirrored_run_resumes_to_the_same_bytes(tmp_path, digits16):
     """train.xflip's flips are functions of the seed and the batch: a mirrored run
     interrupted and resumed ends with the bytes of one never stopped, which differ from
     those of the same run unmirrored."""
     train = {**RUN["train"], "kimg": 0.384, "n_critic": 2, "xflip": True}
     raw = {**RUN, "train": train}
     params = parse_params(raw)
-    dataset = LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True)
+    dataset = LmdbImageDataset(digits16 / "train.lmdb", as_uint8=True)
     cpu = torch.device("cpu")
     log_whole, log_resumed = Recorder(), Recorder()
     whole = loop.train(params, dataset, cpu, log_whole, False, tmp_path / "a")
@@ -637,9 +617,9 @@ def test_a_mirrored_run_resumes_to_the_same_bytes(tmp_path, data_dir):
     assert any(not torch.equal(v, d_plain[k]) for k, v in whole.d.state_dict().items())
 
 
-def test_resuming_a_finished_run_logs_it_again(tmp_path, data_dir):
+def test_resuming_a_finished_run_logs_it_again(tmp_path, digits16):
     params = parse_params({**RUN, "train": {**RUN["train"], "kimg": 0.64}})
-    dataset = LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True)
+    dataset = LmdbImageDataset(digits16 / "train.lmdb", as_uint8=True)
 
     first, again = Recorder(), Recorder()
     loop.train(params, dataset, torch.device("cpu"), first, progress=False, run_dir=tmp_path)

@@ -15,35 +15,21 @@ import yaml
 from PIL import Image
 
 from ganpipe.checkpoint import load
-from ganpipe.data.prepare import prepare_dataset
 from ganpipe.params import load_params
 from stages import generate as generate_stage
 from stages import train as train_stage
-from tests.helpers import stage_env, write_project
+from tests.helpers import stage_env, tiny_params, write_project
 
-TINY = {
-    "seed": 3,
-    "data": {"image_size": 16, "val_fraction": 0.5},
-    "devices": {"cpu_threads": 1},
-    "model": {"z_dim": 8, "g_width": 4, "d_width": 4},
-    "train": {
-        "batch_size": 16,
-        "kimg": 0.16,
-        "snapshot_kimg": 0.08,
-        "log_every_kimg": 0.032,
-        "ema_kimg": 0.05,
-        "metrics_kimg": 0,  # FID while training needs a feature network: test_train_metrics
-    },
-    "generate": {"grid_rows": 3},
-}
+TINY = tiny_params(
+    seed=3,
+    train={"kimg": 0.16, "snapshot_kimg": 0.08, "ema_kimg": 0.05},
+    generate={"grid_rows": 3},
+)
 
 
-def make_project(path: Path, **overrides) -> Path:
-    """A folder with a tiny params.yaml and a prepared dataset."""
-    write_project(path, TINY, **overrides)
-    loaded = load_params(path / "params.yaml")
-    prepare_dataset(loaded.data, loaded.seed, path / "data", progress=False)
-    return path
+def make_project(path: Path, data: Path, **overrides) -> Path:
+    """A folder with a tiny params.yaml and ``data`` linked (read-only)."""
+    return write_project(path, TINY, data, **overrides)
 
 
 def state_digest(path: Path) -> str:
@@ -55,8 +41,8 @@ def state_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def test_train_then_generate_in_process(tmp_path, monkeypatch):
-    project = make_project(tmp_path / "p")
+def test_train_then_generate_in_process(tmp_path, digits16, monkeypatch):
+    project = make_project(tmp_path / "p", digits16)
     monkeypatch.chdir(project)
     params = load_params()
     train_stage.main(params)
@@ -90,10 +76,10 @@ def test_train_then_generate_in_process(tmp_path, monkeypatch):
     assert not torch.equal(g[key], ema[key])
 
 
-def test_training_is_bit_identical_across_processes(tmp_path):
+def test_training_is_bit_identical_across_processes(tmp_path, digits16):
     digests = []
     for run in ("a", "b"):
-        project = make_project(tmp_path / run)
+        project = make_project(tmp_path / run, digits16)
         env = stage_env()
         subprocess.run(
             [sys.executable, "-m", "stages.train"],
@@ -112,14 +98,16 @@ def test_training_is_bit_identical_across_processes(tmp_path):
     assert digests[0] == digests[1]
 
 
-def test_strategies_d_first_detach_differs_retain_equals_g_first(tmp_path, monkeypatch):
+def test_strategies_d_first_detach_differs_retain_equals_g_first(tmp_path, digits16, monkeypatch):
     """d_first_retain and g_first_detach make the same weight updates (both gradients against
     the pre-update D, D on the pre-update G's fakes); g_first_detach runs D(fake) once more,
     which only shows in BatchNorm's running statistics. d_first_detach is another algorithm.
     """
     g, d = {}, {}
     for strategy in ("d_first_retain", "d_first_detach", "g_first_detach"):
-        project = make_project(tmp_path / strategy, train={"strategy": strategy, "kimg": 0.048})
+        project = make_project(
+            tmp_path / strategy, digits16, train={"strategy": strategy, "kimg": 0.048}
+        )
         monkeypatch.chdir(project)
         train_stage.main(load_params())
         g[strategy] = load(project / "models/generator.pt")["state_dict"]
@@ -134,8 +122,8 @@ def test_strategies_d_first_detach_differs_retain_equals_g_first(tmp_path, monke
         assert torch.equal(tensor, d["g_first_detach"][name]) != is_bn_stat, name
 
 
-def test_wrong_shape_database_is_refused(tmp_path, monkeypatch):
-    project = make_project(tmp_path / "p")
+def test_wrong_shape_database_is_refused(tmp_path, digits16, monkeypatch):
+    project = make_project(tmp_path / "p", digits16)
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["data"]["image_size"] = 32
     (project / "params.yaml").write_text(yaml.safe_dump(params))

@@ -25,6 +25,9 @@ from tests.helpers import Recorder, run_stage, write_project
 from tests.integration import test_resume
 from tests.integration.test_resume import finish, kill_group, logged_values, newest, start
 
+# One worker runs the feature network and the measured run once (module fixtures).
+pytestmark = pytest.mark.xdist_group("train_metrics")
+
 #: test_resume's tiny DCGAN on the digits at 16 px, trained for 9.6 kimg at a high learning
 #: rate (its FID falls within seconds of training), measured every 0.96 kimg (10 points) on
 #: 200 samples against the 898 val images; a checkpoint at every second point.
@@ -49,17 +52,22 @@ POINTS = [960 * i for i in range(1, 11)]
 
 
 @pytest.fixture(scope="module")
-def data_dir(digits16: Path) -> Path:
-    return digits16
-
-
-@pytest.fixture(scope="module")
-def featurenet(tmp_path_factory, data_dir) -> Path:
+def featurenet(tmp_path_factory, digits16) -> Path:
     """models/ of a project where the featurenet stage ran (the ruler of every test here)."""
-    root = write_project(tmp_path_factory.mktemp("featurenet"), RUN, data_dir)
+    root = write_project(tmp_path_factory.mktemp("featurenet"), RUN, digits16)
     result = run_stage(root, "featurenet")
     assert result.returncode == 0, result.stderr[-3000:]
     return root / "models"
+
+
+@pytest.fixture(scope="module")
+def measured_run(tmp_path_factory, digits16, featurenet) -> tuple[Path, float]:
+    """A project where the train stage ran RUN to the end, measuring as it went, and how
+    long that took (s): read-only for the tests that share it."""
+    root = project(tmp_path_factory.mktemp("measured") / "p", digits16, featurenet)
+    began = time.monotonic()
+    finish(start(root))
+    return root, time.monotonic() - began
 
 
 def project(root: Path, data_dir: Path, featurenet: Path, **sections) -> Path:
@@ -94,10 +102,9 @@ def digest(root: Path) -> dict[str, str]:
 
 
 def test_the_fid_curve_falls_and_the_best_snapshot_is_its_lowest_point(
-    tmp_path, data_dir, featurenet
+    tmp_path, digits16, featurenet, measured_run
 ):
-    root = project(tmp_path / "on", data_dir, featurenet)
-    finish(start(root))
+    root = shutil.copytree(measured_run[0], tmp_path / "on", symlinks=True)
     fid, kid = curve(root, "metrics/fid"), curve(root, "metrics/kid")
     assert [seen for seen, _ in fid] == [seen for seen, _ in kid] == POINTS
     assert fid[0][1] > fid[-1][1], fid  # 0.96 kimg of training against 9.6
@@ -105,7 +112,7 @@ def test_the_fid_curve_falls_and_the_best_snapshot_is_its_lowest_point(
     record = summary(root)
     assert record["best"] == {"kimg": best_seen / 1000, "fid": best_fid}
     assert record["metrics"] == {"fid": fid[-1][1], "kid": kid[-1][1]}
-    val_sha256 = read_meta(data_dir / "val.lmdb")["content_sha256"]
+    val_sha256 = read_meta(digits16 / "val.lmdb")["content_sha256"]
     extractor_sha256 = (featurenet / "featurenet.sha256").read_text().split()[0]
     assert record["ruler"] == {
         "extractor": "featurenet",
@@ -131,7 +138,7 @@ def test_the_fid_curve_falls_and_the_best_snapshot_is_its_lowest_point(
     assert (evaluated["fid"], evaluated["kid"]) == (fid[-1][1], kid[-1][1])
 
     # The metrics draw from no training RNG: without them, the same trained bytes and log.
-    off = project(tmp_path / "off", data_dir, featurenet, train={"metrics_kimg": 0})
+    off = project(tmp_path / "off", digits16, featurenet, train={"metrics_kimg": 0})
     finish(start(off))
     without = digest(off)
     assert without["g_ema_best"] == without["g_ema"]  # nothing measured: the final EMA
@@ -143,14 +150,11 @@ def test_the_fid_curve_falls_and_the_best_snapshot_is_its_lowest_point(
 
 @pytest.mark.slow
 def test_killed_and_resumed_it_ends_with_the_bytes_of_an_uninterrupted_run(
-    tmp_path, data_dir, featurenet
+    tmp_path, digits16, featurenet, measured_run
 ):
     """Checkpoints every second point: a kill between them measures a point again."""
-    reference = project(tmp_path / "reference", data_dir, featurenet)
-    began = time.monotonic()
-    finish(start(reference))
-    duration = time.monotonic() - began
-    root = project(tmp_path / "killed", data_dir, featurenet)
+    reference, duration = measured_run
+    root = project(tmp_path / "killed", digits16, featurenet)
     rng = random.Random(26)
     for attempt in range(3):
         before = newest(root)
@@ -169,14 +173,14 @@ def test_killed_and_resumed_it_ends_with_the_bytes_of_an_uninterrupted_run(
 
 @pytest.mark.slow
 def test_a_resumed_run_measured_with_another_ruler_drops_the_old_points(
-    tmp_path, data_dir, featurenet
+    tmp_path, digits16, featurenet
 ):
     """Extended with another eval.seed, the curve restarts: two samplings in one curve
     would not be comparable, and the best snapshot would be chosen across them."""
-    root = project(tmp_path / "p", data_dir, featurenet, train={"kimg": 0.96})
+    root = project(tmp_path / "p", digits16, featurenet, train={"kimg": 0.96})
     finish(start(root))
     assert [seen for seen, _ in curve(root, "metrics/fid")] == POINTS[:1]
-    project(root, data_dir, featurenet, train={"kimg": 1.92}, eval={"seed": 7})
+    project(root, digits16, featurenet, train={"kimg": 1.92}, eval={"seed": 7})
     err = finish(start(root))
     assert "resumed from" in err and "the curve and the best snapshot start again" in err
     assert [seen for seen, _ in curve(root, "metrics/fid")] == POINTS[1:2]
@@ -184,8 +188,8 @@ def test_a_resumed_run_measured_with_another_ruler_drops_the_old_points(
     assert [seen for seen, _ in curve(root, "loss/g")] == POINTS[:2]  # the rest of the log stays
 
 
-def test_without_a_feature_network_the_stage_says_what_to_run_before_training(tmp_path, data_dir):
-    root = write_project(tmp_path / "p", RUN, data_dir)
+def test_without_a_feature_network_the_stage_says_what_to_run_before_training(tmp_path, digits16):
+    root = write_project(tmp_path / "p", RUN, digits16)
     result = run_stage(root, "train")
     assert result.returncode == 2, result.stderr[-3000:]
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -195,7 +199,7 @@ def test_without_a_feature_network_the_stage_says_what_to_run_before_training(tm
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_measuring_draws_from_no_random_stream_of_training(data_dir, device):
+def test_measuring_draws_from_no_random_stream_of_training(digits16, device):
     """wgan_gp draws its interpolation weights from the device's global RNG every step (on a
     GPU, CUDA's, which torch.manual_seed would reseed): a run that measures trains the bytes
     of one that does not. The ruler here is a random projection: any extractor will do."""
@@ -213,7 +217,7 @@ def test_measuring_draws_from_no_random_stream_of_training(data_dir, device):
     extractor.digest = "a random projection"
     real = torch.randn(100, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     ruler = Ruler(Ruler.describe(params, extractor.digest, "none", ""), extractor, real)
-    dataset = LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True)
+    dataset = LmdbImageDataset(digits16 / "train.lmdb", as_uint8=True)
     results = []
     for measured_with in (None, ruler):
         runtime.configure_runtime(params.seed, params.devices, params.determinism)
@@ -238,7 +242,7 @@ class ScriptedRuler(Ruler):
         return {FID: next(self.fids), KID: 0.0}
 
 
-def test_the_best_snapshot_is_the_ema_of_the_lowest_finite_point(tmp_path, data_dir):
+def test_the_best_snapshot_is_the_ema_of_the_lowest_finite_point(tmp_path, digits16):
     """Not the last point, not a NaN (a diverged G), the earlier of two equal ones."""
     raw = {**RUN, "train": {**RUN["train"], "kimg": 0.8, "metrics_kimg": 0.16}}
     raw["train"].update(checkpoint_kimg=0.16, log_every_kimg=0.16)
@@ -246,7 +250,7 @@ def test_the_best_snapshot_is_the_ema_of_the_lowest_finite_point(tmp_path, data_
     logger = Recorder()
     result = loop.train(
         params,
-        LmdbImageDataset(data_dir / "train.lmdb", as_uint8=True),
+        LmdbImageDataset(digits16 / "train.lmdb", as_uint8=True),
         torch.device("cpu"),
         logger,
         progress=False,

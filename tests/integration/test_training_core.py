@@ -18,33 +18,15 @@ import torch
 
 from ganpipe import augment, build, dist, loop, runtime, stream
 from ganpipe.data.dataset import LmdbImageDataset
-from ganpipe.data.prepare import prepare_dataset
-from ganpipe.params import DataParams, parse_params
+from ganpipe.params import Params, parse_params
 from ganpipe.strategies import STRATEGIES, Batch
 from tests.conftest import REPO
-from tests.helpers import Recorder
+from tests.helpers import TINY_RESNET as RESNET_MODEL
+from tests.helpers import Recorder, tiny_params, updated
 
-TINY = {
-    "seed": 5,
-    "data": {"image_size": 16},
-    "devices": {"cpu_threads": 1},
-    "model": {"z_dim": 8, "g_width": 4, "d_width": 4},
-    "train": {"batch_size": 16, "kimg": 0.096, "log_every_kimg": 0.032, "ema_kimg": 0.05},
-    "generate": {"grid_rows": 2},
-}
-
-
+TINY = tiny_params(seed=5, train={"kimg": 0.096, "ema_kimg": 0.05})
 #: TINY for the resnet family: its smallest size, 32 px, and a few channels per resolution.
-TINY_RESNET = {
-    **TINY,
-    "data": {"image_size": 32},
-    "model": {
-        "arch": "resnet",
-        "z_dim": 8,
-        "g_channels": {4: 8, 8: 8, 16: 4, 32: 4},
-        "d_channels": {4: 8, 8: 4, 16: 4},
-    },
-}
+TINY_RESNET = updated(TINY, {"data": {"image_size": 32}, "model": RESNET_MODEL})
 CONFIGS = {"dcgan": TINY, "resnet": TINY_RESNET}
 
 
@@ -56,17 +38,14 @@ def tiny(norm: str = "batch", arch: str = "dcgan", **train):
 
 
 @pytest.fixture(scope="module")
-def digits16(tmp_path_factory):
-    out = tmp_path_factory.mktemp("digits16")
-    prepare_dataset(DataParams(image_size=16), 0, out, progress=False)
-    return out / "train.lmdb"
+def train16(digits16):
+    """The shared digits at 16 px: their training split."""
+    return digits16 / "train.lmdb"
 
 
 @pytest.fixture(scope="module")
-def digits32(tmp_path_factory):
-    out = tmp_path_factory.mktemp("digits32")
-    prepare_dataset(DataParams(image_size=32), 0, out, progress=False)
-    return out / "train.lmdb"
+def train32(digits32):
+    return digits32 / "train.lmdb"
 
 
 def train_recorded(params, db, recorder: Recorder) -> loop.TrainResult:
@@ -109,7 +88,7 @@ WORKER = textwrap.dedent(
 
 @pytest.mark.parametrize("arch", ["dcgan", "resnet"])
 def test_every_strategy_and_precision_is_bit_identical_across_processes(tmp_path, arch, request):
-    db = request.getfixturevalue("digits16" if arch == "dcgan" else "digits32")
+    db = request.getfixturevalue("train16" if arch == "dcgan" else "train32")
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
@@ -250,7 +229,7 @@ def test_the_memory_check_catches_a_leak(memory_growths):
     assert tensors == 270 and rss > 50
 
 
-def test_a_non_finite_loss_names_the_step_strategy_and_loss(digits16, monkeypatch):
+def test_a_non_finite_loss_names_the_step_strategy_and_loss(train16, monkeypatch):
     calls = {"n": 0}
     real_move = stream.to_device_images
 
@@ -263,21 +242,21 @@ def test_a_non_finite_loss_names_the_step_strategy_and_loss(digits16, monkeypatc
     params = tiny(strategy="g_first_detach", loss="hinge")
     with pytest.raises(FloatingPointError) as info:
         loop.train(
-            params, LmdbImageDataset(digits16, as_uint8=True), torch.device("cpu"), progress=False
+            params, LmdbImageDataset(train16, as_uint8=True), torch.device("cpu"), progress=False
         )
     message = str(info.value)
     assert "non-finite loss at step 3" in message
     assert "train.strategy=g_first_detach" in message and "train.loss=hinge" in message
 
 
-def test_fp16_counts_the_steps_the_scalers_skip(digits16, monkeypatch):
+def test_fp16_counts_the_steps_the_scalers_skip(train16, monkeypatch):
     huge = lambda precision, device: torch.amp.GradScaler(  # noqa: E731
         device.type, init_scale=2.0**100, enabled=precision == "fp16"
     )
     monkeypatch.setattr(runtime, "grad_scaler", huge)
     params = tiny().model_copy(update={"precision": "fp16"})
     recorder = Recorder()
-    result = train_recorded(params, digits16, recorder)
+    result = train_recorded(params, train16, recorder)
     # 2**100 overflows fp16 at once: both networks skip steps until their scale fits.
     assert result.skipped_steps["g"] > 0 and result.skipped_steps["d"] > 0
     logged = recorder.scalars[-1][1]
@@ -287,13 +266,13 @@ def test_fp16_counts_the_steps_the_scalers_skip(digits16, monkeypatch):
 
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
-def test_fp16_with_several_critic_steps(digits16, strategy):
+def test_fp16_with_several_critic_steps(train16, strategy):
     """Each network's scaler is updated right after its step: D may step n_critic times
     per iteration (a shared scaler refuses to unscale D's gradients twice before update)."""
     params = tiny(norm="layer", strategy=strategy, n_critic=2, kimg=0.128)
     params = params.model_copy(update={"precision": "fp16"})
     recorder = Recorder()
-    result = train_recorded(params, digits16, recorder)
+    result = train_recorded(params, train16, recorder)
     assert result.iterations == 4 and result.images_seen == 128
     logged = recorder.scalars[-1][1]
     assert logged["amp/skipped_steps/d"] == result.skipped_steps["d"]
@@ -307,13 +286,13 @@ def test_fp16_with_several_critic_steps(digits16, strategy):
     ("loss", "r1_gamma", "precision"),
     [("hinge", 0.0, "fp16"), ("wgan_gp", 1.0, "bf16"), ("bce", 1.0, "fp32")],
 )
-def test_resnet_trains_with_every_loss_penalty_and_precision(digits32, loss, r1_gamma, precision):
+def test_resnet_trains_with_every_loss_penalty_and_precision(train32, loss, r1_gamma, precision):
     """BatchNorm in resnet's G is allowed with the gradient penalties (D has no norm layer);
     each configuration trains to finite weights and logs its D scores."""
     params = tiny(arch="resnet", loss=loss, r1_gamma=r1_gamma, n_critic=2, kimg=0.064)
     params = params.model_copy(update={"precision": precision})
     recorder = Recorder()
-    result = train_recorded(params, digits32, recorder)
+    result = train_recorded(params, train32, recorder)
     assert result.iterations == 2 and result.images_seen == 64
     assert all(torch.isfinite(p).all() for net in (result.g, result.d) for p in net.parameters())
     logged = recorder.scalars[-1][1]
@@ -321,10 +300,10 @@ def test_resnet_trains_with_every_loss_penalty_and_precision(digits32, loss, r1_
     assert ("amp/scale/d" in logged) == (precision == "fp16")
 
 
-def test_n_critic_counts_images_shown_to_d(digits16):
+def test_n_critic_counts_images_shown_to_d(train16):
     recorder = Recorder()
     params = tiny(norm="layer", n_critic=3, loss="wgan_gp", kimg=0.144)
-    result = train_recorded(params, digits16, recorder)
+    result = train_recorded(params, train16, recorder)
     assert result.iterations == 3 and result.images_seen == 144  # 3 x (3 x 16)
     assert [seen for seen, _ in recorder.scalars] == [48, 96, 144]
     assert {"grad_norm/d", "grad_norm/g", "d/real", "d/fake"} <= set(recorder.scalars[0][1])
@@ -349,7 +328,7 @@ LOGGED_KEYS = {
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_logged_scalars_are_exactly_the_documented_keys(digits16, precision):
+def test_logged_scalars_are_exactly_the_documented_keys(train16, precision):
     """No amp/* outside fp16; learning rates as configured, scaled by train.lr_scaling."""
     recorder = Recorder()
     params = tiny(
@@ -360,7 +339,7 @@ def test_logged_scalars_are_exactly_the_documented_keys(digits16, precision):
         lr_scaling="sqrt",
         reference_batch=64,
     ).model_copy(update={"precision": precision})
-    train_recorded(params, digits16, recorder)
+    train_recorded(params, train16, recorder)
     assert [seen for seen, _ in recorder.scalars] == [16, 32, 48]  # logged every 16 images
     for seen, logged in recorder.scalars:
         assert set(logged) == LOGGED_KEYS
@@ -374,7 +353,7 @@ def test_logged_scalars_are_exactly_the_documented_keys(digits16, precision):
         assert logged["grad_norm/g"] > 0 and logged["grad_norm/d"] > 0
 
 
-def test_data_loader_workers_give_bit_identical_weights(digits16, monkeypatch):
+def test_data_loader_workers_give_bit_identical_weights(train16, monkeypatch):
     """Batches are functions of the step: two worker processes read the same batches, and
     so does the training set held resident (no DataLoader)."""
     workers = []
@@ -389,7 +368,7 @@ def test_data_loader_workers_give_bit_identical_weights(digits16, monkeypatch):
     for num_workers, resident_mb in ((0, 0), (2, 0), (0, 1)):
         result = loop.train(
             tiny(kimg=0.048, num_workers=num_workers, resident_mb=resident_mb),
-            LmdbImageDataset(digits16, as_uint8=True),
+            LmdbImageDataset(train16, as_uint8=True),
             torch.device("cpu"),
             progress=False,
         )
@@ -404,13 +383,13 @@ def test_data_loader_workers_give_bit_identical_weights(digits16, monkeypatch):
 
 
 @pytest.mark.parametrize("start", [0, 37])
-def test_the_resident_training_set_gives_the_loader_s_batches(digits16, caplog, start):
+def test_the_resident_training_set_gives_the_loader_s_batches(train16, caplog, start):
     """Held on the device, the training set yields exactly the DataLoader's batches and
     labels, across epoch boundaries and from any starting iteration (a resume)."""
-    dataset = LmdbImageDataset(digits16, as_uint8=True)
+    dataset = LmdbImageDataset(train16, as_uint8=True)
     context = dist.DistContext(device=torch.device("cpu"))
     streams = []
-    for budget in (0, 1):  # MiB: the digits at 16 px take 0.4 of one
+    for budget in (0, 1):  # MiB: the training digits at 16 px take 0.2 of one
         params = tiny(batch_size=64, resident_mb=budget, n_critic=2)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="ganpipe.stream"):
@@ -425,10 +404,10 @@ def test_the_resident_training_set_gives_the_loader_s_batches(digits16, caplog, 
 
 
 @pytest.mark.parametrize("resident_mb", [0, 1])
-def test_mirrored_batches_are_the_plain_ones_flipped_where_the_draws_say(digits16, resident_mb):
+def test_mirrored_batches_are_the_plain_ones_flipped_where_the_draws_say(train16, resident_mb):
     """train.xflip mirrors the reals of global batch k where flips(seed, k) is true, in each
     rank's share of the batch as in the whole; latents and labels are untouched."""
-    dataset = LmdbImageDataset(digits16, as_uint8=True)
+    dataset = LmdbImageDataset(train16, as_uint8=True)
     whole = dist.DistContext(device=torch.device("cpu"))
     rank1 = dist.DistContext(1, 1, 2, torch.device("cpu"))
     plain, mirrored = (tiny(n_critic=2, resident_mb=resident_mb, xflip=x) for x in (False, True))
@@ -447,9 +426,9 @@ def test_mirrored_batches_are_the_plain_ones_flipped_where_the_draws_say(digits1
     assert 0 < flipped < 4 * 16
 
 
-def test_only_an_lmdb_set_read_as_uint8_is_held_resident(digits16):
-    assert stream.resident_bytes(LmdbImageDataset(digits16)) is None
-    dataset = LmdbImageDataset(digits16, as_uint8=True)
+def test_only_an_lmdb_set_read_as_uint8_is_held_resident(train16):
+    assert stream.resident_bytes(LmdbImageDataset(train16)) is None
+    dataset = LmdbImageDataset(train16, as_uint8=True)
     assert stream.resident_bytes(dataset) == len(dataset) * 16 * 16
     images, labels = stream.read_all(dataset, torch.device("cpu"), chunk=100)
     assert torch.equal(images.permute(0, 2, 3, 1), torch.from_numpy(dataset.uint8_array()))
@@ -459,3 +438,34 @@ def test_only_an_lmdb_set_read_as_uint8_is_held_resident(digits16):
 def test_peak_rss_probe_is_available():
     # The strategies benchmark reads ru_maxrss; make sure this platform reports it.
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0
+
+
+def test_the_runtime_turns_determinism_on_without_loading_torch_s_compiler():
+    """torch.use_deterministic_algorithms imports torch._inductor for a flag of its own: a
+    stage that compiles nothing (generate, evaluate) sets torch's flag alone."""
+    code = (
+        "import sys; from ganpipe import cpu; from ganpipe.params import Params; "
+        "p = Params(); cpu.pin(p.determinism, p.devices); import torch; "
+        "from ganpipe import runtime; runtime.configure_runtime(0, p.devices, p.determinism); "
+        "print(torch.are_deterministic_algorithms_enabled(), "
+        "torch.is_deterministic_algorithms_warn_only_enabled(), 'torch._inductor' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.split() == ["True", "False", "False"], out.stderr[-2000:]
+    import torch._inductor.config  # loaded: its flag is set too, as torch's own call sets it
+
+    try:
+        runtime.use_deterministic_algorithms(False)
+        assert not torch.are_deterministic_algorithms_enabled()
+        assert torch._inductor.config.deterministic is False
+        runtime.use_deterministic_algorithms(True)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch._inductor.config.deterministic is True
+    finally:
+        runtime.use_deterministic_algorithms(Params().determinism.deterministic)
