@@ -10,7 +10,10 @@ and returned by DVC itself: ``dvc exp run -n NAME`` and ``dvc exp push origin NA
 experiment. Nothing here writes git refs or reads dvc.yaml.
 
 Every child process starts in a session of its own and is registered, so that a cancelled
-run (SIGTERM from the worker) kills what it started (:func:`kill_children`).
+run (SIGTERM from the worker) kills what it started (:func:`kill_children`). The flow removes
+its clone itself when it ends, whatever the end (:func:`owned`): the worker's own clean-up
+of its folder comes later, after its bookkeeping, and fails while a process still writes
+into the folder.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +146,21 @@ def kill_children() -> None:
             proc.wait(timeout=10)
 
 
+@contextlib.contextmanager
+def owned(root: Path) -> Iterator[Path]:
+    """The run's clone ``root``, removed when the block ends however it ends; cancelled (the
+    worker's SIGTERM) or ^C, the stages this process started are killed first."""
+    try:
+        yield root
+    except BaseException as exc:
+        if not isinstance(exc, Exception):
+            kill_children()
+        raise
+    finally:
+        os.chdir(root.parent)  # a process whose folder is gone cannot ask where it is
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def check_name(kind: str, name: str) -> str:
     """``name`` if it can name an experiment or a sweep (a git ref part, a file name).
 
@@ -188,6 +207,8 @@ def prepare(root: Path, commit: str | None, log: Callable[[str], None]) -> tuple
                 (origin / ".dvc" / "config.local").read_bytes()
             )
         run(["dvc", "cache", "dir", "--local", str((origin / cache).resolve())], root)
+    # DVC's update check is a detached daemon that would write into the clone after the run.
+    run(["dvc", "config", "--local", "core.check_update", "false"], root)
     log(f"clone of {origin} at {sha[:7]}, DVC cache {'shared' if shared else 'pulled'}")
     return sha, shared
 

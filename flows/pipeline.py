@@ -147,17 +147,6 @@ def code(value: Any) -> str:
     return f"`{text}`"
 
 
-@contextmanager
-def killing_children_on_cancel() -> Iterator[None]:
-    """Cancelled (the worker's SIGTERM), ^C: kill the stages this process started."""
-    try:
-        yield
-    except BaseException as exc:
-        if not isinstance(exc, Exception):
-            clone.kill_children()
-        raise
-
-
 @flow(name="ganpipe-pipeline")
 def pipeline(
     overrides: dict[str, Any] | None = None,
@@ -176,7 +165,7 @@ def pipeline(
     """
     log = run_logger()
     root = Path.cwd()
-    with killing_children_on_cancel():
+    with clone.owned(root):
         name = exp_name or flow_run.get_name() or time.strftime("pipeline-%Y%m%d-%H%M%S")
         clone.check_name("exp_name", name)
         sha, shared = clone.prepare(root, commit, log.info)

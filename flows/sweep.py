@@ -291,70 +291,75 @@ def sweep(
     """
     log = run_logger()
     root = Path.cwd()
-    if parallel < 0:
-        raise ParamsError("parallel", [("parallel", f"{parallel}: give 0 (all) or more")])
-    grid = DEFAULT_GRID if grid is None else grid
-    base = DEFAULT_BASE if base is None else base
-    sweep_name = clone.check_name("sweep_name", sweep_name or time.strftime("sweep-%Y%m%d-%H%M%S"))
-    commit = clone.run(["git", "rev-parse", "HEAD"], root).strip()
-    planned = plan_runs(grid, base, sweep_name)
-    overrides = validate_runs((root / "params.yaml").read_text(), planned, base)
-    log.info("sweep %s: %d experiments at %s", sweep_name, len(planned), commit[:7])
-    key = str(this_flow_run.id or uuid.uuid4())
-    found: dict[str, dict[str, Any]] = {}
-    _stopping.clear()
-    with ThreadPoolTaskRunner(max_workers=parallel or len(overrides)) as runner:
-        point = run_point.with_options(retries=retries)
-        futures = {
-            name: runner.submit(
-                point.with_options(task_run_name=f"experiment {name}"),
-                {"name": name, "overrides": values, "commit": commit, "key": key},
-            )
-            for name, values in overrides.items()
-        }
-        try:
-            for name, future in futures.items():
-                while not future.state.is_final():
-                    # A bounded wait: an unbounded one would not let Prefect's SIGTERM
-                    # handler (the worker cancelling this run) raise until it returned.
-                    future.wait(timeout=1)
-                if future.state.is_completed():
-                    result = future.result()
-                    found[name] = {
-                        "metrics": result["metrics_files"],
-                        "state": "success",
-                        **{k: result[k] for k in ("ran_on", "flow_run", "started", "ended")},
-                    }
-                else:
-                    error = future.state.result(raise_on_failure=False)
-                    found[name] = {
-                        "state": getattr(error, "state", "failed"),
-                        "error": (str(error) or repr(error)).splitlines()[0],
-                    }
-        except BaseException as exc:
-            # Cancelled (the worker's SIGTERM): cancel every experiment run now, before the
-            # task runner waits for its threads on the way out.
-            if not isinstance(exc, Exception):
-                for future in futures.values():
-                    future.wrapped_future.cancel()  # those waiting for a thread never start
-                log.info("sweep cancelled: cancelling %s", ", ".join(cancel_experiments()))
-            raise
-    context = {
-        "sweep": f"{report.code(sweep_name)}, {time.strftime('%Y-%m-%d %H:%M')}",
-        "project commit": f"`{commit[:7]}` (every experiment starts from it)",
-        "grid": report.code(json.dumps(grid)),
-        "shared overrides": report.code(json.dumps(base)),
-        "where": "the workers of work pool `ganpipe` (column *ran on*)",
-        "experiments": "`dvc exp show`; `dvc exp apply NAME` restores one in the workspace",
-    }
-    folder = report_folder(root) or root / "reports" / "sweeps"
-    result = publish_report(planned, found, metric, higher_is_better, folder, sweep_name, context)
-    if result["failed"]:
-        raise RuntimeError(
-            f"{len(result['failed'])} of {len(planned)} experiments failed "
-            f"({', '.join(result['failed'])}); the report lists why: {result['report']}"
+    with clone.owned(root):
+        if parallel < 0:
+            raise ParamsError("parallel", [("parallel", f"{parallel}: give 0 (all) or more")])
+        grid = DEFAULT_GRID if grid is None else grid
+        base = DEFAULT_BASE if base is None else base
+        sweep_name = clone.check_name(
+            "sweep_name", sweep_name or time.strftime("sweep-%Y%m%d-%H%M%S")
         )
-    return result
+        commit = clone.run(["git", "rev-parse", "HEAD"], root).strip()
+        planned = plan_runs(grid, base, sweep_name)
+        overrides = validate_runs((root / "params.yaml").read_text(), planned, base)
+        log.info("sweep %s: %d experiments at %s", sweep_name, len(planned), commit[:7])
+        key = str(this_flow_run.id or uuid.uuid4())
+        found: dict[str, dict[str, Any]] = {}
+        _stopping.clear()
+        with ThreadPoolTaskRunner(max_workers=parallel or len(overrides)) as runner:
+            point = run_point.with_options(retries=retries)
+            futures = {
+                name: runner.submit(
+                    point.with_options(task_run_name=f"experiment {name}"),
+                    {"name": name, "overrides": values, "commit": commit, "key": key},
+                )
+                for name, values in overrides.items()
+            }
+            try:
+                for name, future in futures.items():
+                    while not future.state.is_final():
+                        # A bounded wait: an unbounded one would not let Prefect's SIGTERM
+                        # handler (the worker cancelling this run) raise until it returned.
+                        future.wait(timeout=1)
+                    if future.state.is_completed():
+                        result = future.result()
+                        found[name] = {
+                            "metrics": result["metrics_files"],
+                            "state": "success",
+                            **{k: result[k] for k in ("ran_on", "flow_run", "started", "ended")},
+                        }
+                    else:
+                        error = future.state.result(raise_on_failure=False)
+                        found[name] = {
+                            "state": getattr(error, "state", "failed"),
+                            "error": (str(error) or repr(error)).splitlines()[0],
+                        }
+            except BaseException as exc:
+                # Cancelled (the worker's SIGTERM): cancel every experiment run now, before the
+                # task runner waits for its threads on the way out.
+                if not isinstance(exc, Exception):
+                    for future in futures.values():
+                        future.wrapped_future.cancel()  # those waiting for a thread never start
+                    log.info("sweep cancelled: cancelling %s", ", ".join(cancel_experiments()))
+                raise
+        context = {
+            "sweep": f"{report.code(sweep_name)}, {time.strftime('%Y-%m-%d %H:%M')}",
+            "project commit": f"`{commit[:7]}` (every experiment starts from it)",
+            "grid": report.code(json.dumps(grid)),
+            "shared overrides": report.code(json.dumps(base)),
+            "where": "the workers of work pool `ganpipe` (column *ran on*)",
+            "experiments": "`dvc exp show`; `dvc exp apply NAME` restores one in the workspace",
+        }
+        folder = report_folder(root) or root / "reports" / "sweeps"
+        result = publish_report(
+            planned, found, metric, higher_is_better, folder, sweep_name, context
+        )
+        if result["failed"]:
+            raise RuntimeError(
+                f"{len(result['failed'])} of {len(planned)} experiments failed "
+                f"({', '.join(result['failed'])}); the report lists why: {result['report']}"
+            )
+        return result
 
 
 def main() -> None:

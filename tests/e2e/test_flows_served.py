@@ -165,12 +165,17 @@ def logs(env: dict, run_id) -> str:
 
 
 def no_clone_left(runs_dir: Path, timeout_s: float = 30, known=frozenset()) -> None:
-    """Every run's temporary clone but ``known`` ones is gone (the worker removes it once the
-    run ended; a worker killed with its runs leaves theirs, as any killed process would)."""
+    """Every run's clone in the workers' temporary folders but those in ``known`` folders is
+    gone (the flow removes its clone as it ends; a worker killed with its runs leaves theirs,
+    as any killed process would)."""
     deadline = time.monotonic() + timeout_s
-    while left := set(runs_dir.glob("*prefect")) - set(known):
+    while left := {git.parent for git in runs_dir.glob("*prefect/*/.git")} - clones_in(known):
         assert time.monotonic() < deadline, left
         time.sleep(0.5)
+
+
+def clones_in(folders) -> set[Path]:
+    return {git.parent for folder in folders for git in Path(folder).glob("*/.git")}
 
 
 def processes_in(runs_dir: Path, text: str = "") -> list[int]:

@@ -4,6 +4,7 @@ what a kill leaves behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -220,3 +221,41 @@ def test_a_clone_runs_its_own_code_not_the_workspace_s(tmp_path):
     import ganpipe  # this test session's: the workspace's
 
     assert clone.run(show, tmp_path).strip() == ganpipe.__file__
+
+
+def test_the_run_removes_its_clone_however_it_ends_and_a_cancel_kills_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(clone, "_stopping", threading.Event())  # set by kill_children
+    monkeypatch.chdir(tmp_path)
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "file").write_text("x")
+    with clone.owned(done):  # a run that ends well
+        pass
+    assert not done.exists() and Path.cwd() == tmp_path
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    with pytest.raises(RuntimeError), clone.owned(failed):
+        raise RuntimeError("a stage failed")
+    assert not failed.exists() and not clone._stopping.is_set()  # nothing was killed
+    cancelled = tmp_path / "cancelled"
+    cancelled.mkdir()
+
+    def run():
+        with contextlib.suppress(DvcCommandError):
+            clone.run(["sh", "-c", "sleep 60 & sleep 60; true"], cancelled)
+
+    thread = threading.Thread(target=run)
+    with pytest.raises(KeyboardInterrupt), clone.owned(cancelled):  # the worker's SIGTERM
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not (sleeper := list(clone._children)):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        raise KeyboardInterrupt
+    thread.join(timeout=10)
+    assert not cancelled.exists() and clone._stopping.is_set()
+    deadline = time.monotonic() + 10
+    with pytest.raises(ProcessLookupError):  # the shell and its background sleep
+        while time.monotonic() < deadline:
+            os.killpg(sleeper[0].pid, 0)
+            time.sleep(0.2)
