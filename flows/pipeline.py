@@ -6,25 +6,22 @@ clone's params.yaml, runs ``dvc exp run -n NAME`` (unchanged stages come from th
 cache) and returns the experiment with ``dvc exp push`` (:mod:`flows.clone`). The user's
 workspace is never written: the experiment appears in ``dvc exp show`` there.
 
-Run once by hand (in a temporary clone of this project; a temporary local Prefect API
-starts when no server is configured)::
+On demand, with the server's credentials (``. .state/prefect.env``; docs/orchestration.md)::
 
-    python -m flows.pipeline --set train.strategy=g_first_detach --set precision=bf16
+    prefect deployment run ganpipe-pipeline/experiment \
+        --param overrides='{"train.strategy": "g_first_detach", "precision": "bf16"}'
+
+(Without a server, ``dvc exp run -S train.strategy=g_first_detach`` makes the same experiment
+in the workspace.)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import socket
-import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +31,10 @@ from prefect.exceptions import MissingContextError
 from prefect.runtime import flow_run
 
 from flows import clone
-from ganpipe.errors import UserError
-from ganpipe.overrides import apply_overrides, flatten, validate_overrides
+from ganpipe.overrides import apply_overrides, validate_overrides
 from ganpipe.params import read_yaml
+from reports import ranking as report
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 #: What the stages measured (stages/train.py MEASUREMENTS_DIR): metrics files that are no
 #: DVC outputs, read beside the ones ``dvc metrics show`` reports.
 MEASURED_METRICS = ("measurements/train/metrics.json",)
@@ -96,55 +92,12 @@ def publish_run(root: Path, record: dict[str, Any]) -> dict[str, Any]:
         if (root / name).is_file():
             files[name] = json.loads((root / name).read_text(encoding="utf-8"))
     params = read_yaml((root / "params.yaml").read_text(encoding="utf-8")) or {}
-    rows = [
-        {"kind": "metric", "source": source, "key": key, "value": value}
-        for source, data in files.items()
-        for key, value in flatten(data).items()
-    ]
-    rows += [
-        {
-            "kind": "param (override)" if key in record["overrides"] else "param",
-            "source": "params.yaml",
-            "key": key,
-            "value": json.dumps(value) if isinstance(value, list) else value,
-        }
-        for key, value in flatten(params).items()
-    ]
-    rows += [
-        {"kind": "run", "source": "environment", "key": key, "value": value}
-        for key, value in record["ran_on"].items()
-    ]
+    rows = report.run_rows(files, params, record["overrides"], record["ran_on"])
     create_table_artifact(rows, key="pipeline-metrics", description="Metrics and params")
     record = {**record, "metrics_files": files}
     record["metrics"] = {row["key"]: row["value"] for row in rows if row["kind"] == "metric"}
-    create_markdown_artifact(run_markdown(record), key="pipeline-run", description="The run")
+    create_markdown_artifact(report.run_markdown(record), key="pipeline-run", description="The run")
     return record
-
-
-def run_markdown(record: dict[str, Any]) -> str:
-    """The markdown artifact of one pipeline run (callers' strings only inside code)."""
-    exp = record["experiment"]
-    lines = [
-        "# ganpipe pipeline run",
-        "",
-        f"- DVC experiment: **{exp}** on commit `{record['commit'][:7]}` "
-        f"(`dvc exp show`, `dvc exp apply {exp}` in the project)",
-        "- ran on: " + ", ".join(f"{k} {code(v)}" for k, v in record["ran_on"].items()),
-        "- stages: " + ", ".join(f"{name} ({how})" for name, how in record["stages"].items()),
-    ]
-    if record["overrides"]:
-        lines.append(f"- overrides: {code(json.dumps(record['overrides']))}")
-    lines += ["", "| metric | value |", "|---|---:|"]
-    for key, value in record["metrics"].items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            lines.append(f"| {code(key)} | {float(value):.6g} |")
-    return "\n".join(lines)
-
-
-def code(value: Any) -> str:
-    """``value`` as one line of markdown code: no line breaks, pipes or backticks of its own."""
-    text = " ".join(str(value).split()).replace("`", "'").replace("|", "/")
-    return f"`{text}`"
 
 
 @flow(name="ganpipe-pipeline")
@@ -171,104 +124,10 @@ def pipeline(
         sha, shared = clone.prepare(root, commit, log.info)
         valid = check_overrides(root, overrides)
         if name in clone.experiment_names(root):
-            raise clone.ParamsError(
-                "exp_name",
-                [
-                    (
-                        "exp_name",
-                        f"{name!r} exists on {sha[:7]}; choose another, or dvc exp remove {name}",
-                    )
-                ],
-            )
+            taken = f"{name!r} exists on {sha[:7]}; choose another, or dvc exp remove {name}"
+            raise clone.ParamsError("exp_name", [("exp_name", taken)])
         merged = apply_overrides(read_yaml((root / "params.yaml").read_text()), valid)
         clone.restore_data(root, merged, shared)
         stages = run_experiment(str(root), name, valid, shared)
         record = {"experiment": name, "commit": sha, "stages": stages, "overrides": valid}
         return publish_run(root, {**record, "ran_on": where_it_ran()})
-
-
-@contextmanager
-def temporary_clone(project: Path = PROJECT_ROOT) -> Iterator[Path]:
-    """A fresh clone of ``project`` in a temporary folder, the working directory meanwhile:
-    what a deployment's pull step makes, for a flow run by hand."""
-    before = Path.cwd()
-    with tempfile.TemporaryDirectory(prefix="ganpipe-run-") as folder:
-        root = Path(folder) / "clone"
-        subprocess.run(["git", "clone", "-q", str(project), str(root)], check=True)
-        os.chdir(root)
-        try:
-            yield root
-        finally:
-            os.chdir(before)
-
-
-def cli(parse: Callable[[], dict[str, Any]], validate: Callable[[dict], None], run) -> None:
-    """Parse, validate against this project's committed params, run; one ``error:`` line
-    (exit 2) for bad input, never a traceback."""
-    from ruamel.yaml import YAMLError
-
-    try:
-        args = parse()
-        validate(args)
-    except (UserError, YAMLError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    with temporary_clone():
-        run(**args)
-
-
-def committed_params(commit: str | None = None) -> str:
-    """params.yaml of ``commit`` (default HEAD) of this project.
-
-    Raises:
-        ParamsError: ``commit`` names no commit.
-    """
-    shown = subprocess.run(
-        ["git", "show", f"{commit or 'HEAD'}:params.yaml"],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-    )
-    if shown.returncode:
-        raise clone.ParamsError("commit", [("commit", f"{commit!r} is not a commit here")])
-    return shown.stdout
-
-
-def _parse_set(text: str) -> tuple[str, Any]:
-    from ruamel.yaml import YAMLError
-
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise ValueError(f"--set {text!r}: expected key=value")
-    try:
-        return key, read_yaml(value)
-    except YAMLError as exc:
-        reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ValueError(f"--set {key}: {reason}; quote a string value") from None
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Run the ganpipe pipeline flow once.")
-    parser.add_argument("--set", dest="sets", action="append", default=[], help="key=value (YAML)")
-    parser.add_argument("--name", dest="exp_name", default=None, help="DVC experiment name")
-    parser.add_argument("--commit", default=None, help="git commit to start from (default HEAD)")
-
-    def parse() -> dict[str, Any]:
-        args = parser.parse_args()
-        return {
-            "overrides": dict(_parse_set(s) for s in args.sets),
-            "exp_name": args.exp_name,
-            "commit": args.commit,
-        }
-
-    def validate(args: dict[str, Any]) -> None:
-        if args["exp_name"]:
-            clone.check_name("exp_name", args["exp_name"])
-        text = committed_params(args["commit"])
-        validate_overrides(text, args["overrides"], "params.yaml of the commit")
-
-    cli(parse, validate, pipeline)
-
-
-if __name__ == "__main__":
-    main()

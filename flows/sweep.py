@@ -12,19 +12,18 @@ published as Prefect artifacts (a ranking table and a markdown report) and, when
 project is a folder on this machine, written to its ``reports/sweeps/NAME.md`` (+ ``.png``,
 ``.json``): the place comes from the sweep's validated name, never from a caller's path.
 
-Run once by hand (in a temporary clone of this project)::
+On demand, with the server's credentials (``. .state/prefect.env``; docs/orchestration.md)::
 
-    python -m flows.sweep                                   # the default grid
-    python -m flows.sweep --grid '{"train.strategy": ["d_first_detach", "g_first_detach"]}' \\
-        --base '{"train.kimg": 1}' --name tiny
+    prefect deployment run ganpipe-sweep/scheduled --param sweep_name=tiny \\
+        --param grid='{"train.strategy": ["d_first_detach", "g_first_detach"]}' \\
+        --param base='{"train.kimg": 1}'
 
-The experiments run on the workers of the server named by ``PREFECT_API_URL`` (``make serve``,
-``make worker GPU=N``); without workers they wait, Scheduled.
+The sweep runs on the ``sweeps`` queue's worker, its experiments on the ``experiments`` queue's
+(``make serve``, ``make worker GPU=N``); without workers they wait, Scheduled.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import re
@@ -46,8 +45,6 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows import clone
 from flows.pipeline import (
-    cli,
-    committed_params,
     retry_only_transient,
     run_logger,
 )
@@ -158,14 +155,10 @@ def experiment_result(client: SyncPrefectClient, run: FlowRun) -> dict[str, Any]
             key=ArtifactFilterKey(any_=["pipeline-metrics"]),
         )
     )
-    rows = json.loads(found[0].data) if found else []
-    metrics: dict[str, dict[str, Any]] = {}
-    for row in rows:
-        if row["kind"] == "metric":
-            metrics.setdefault(row["source"], {})[row["key"]] = row["value"]
+    metrics, ran_on = report.read_run_rows(json.loads(found[0].data) if found else [])
     return {
         "metrics_files": metrics,
-        "ran_on": {row["key"]: row["value"] for row in rows if row["kind"] == "run"},
+        "ran_on": ran_on,
         "flow_run": str(run.id),
         "started": run.start_time.isoformat() if run.start_time else None,
         "ended": run.end_time.isoformat() if run.end_time else None,
@@ -241,23 +234,7 @@ def publish_report(
         title, runs, group_keys, metric, higher_is_better, context, png_path.name
     )
     write_bytes_atomic(markdown.encode(), md_path)
-    table = []
-    for i, r in enumerate(report.rank_runs(runs, higher_is_better), 1):
-        exp = found.get(r.name, {})
-        table.append(
-            {
-                "rank": i,
-                "experiment": r.name,
-                **r.settings,
-                metric: r.metric,
-                **{report.PERF_TITLES[k]: r.perf.get(k) for k in perf},
-                "state": r.state,
-                **{k: (exp.get("ran_on") or {}).get(k) for k in ("worker", "host")},
-                "cuda_visible_devices": (exp.get("ran_on") or {}).get("cuda_visible_devices"),
-                **{k: exp.get(k) for k in ("started", "ended")},
-                "error": r.error,
-            }
-        )
+    table = report.sweep_rows(runs, found, metric, higher_is_better)
     record = {"context": context, "metric": metric, "runs": table}
     text = json.dumps(record, indent=2) + "\n"
     write_bytes_atomic(text.encode(), md_path.with_suffix(".json"))
@@ -360,26 +337,3 @@ def sweep(
                 f"({', '.join(result['failed'])}); the report lists why: {result['report']}"
             )
         return result
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Run the ganpipe sweep flow once.")
-    parser.add_argument("--grid", type=json.loads, default=None, help="JSON: key -> list")
-    parser.add_argument("--base", type=json.loads, default=None, help="JSON: key -> value")
-    parser.add_argument("--metric", default="fid")
-    parser.add_argument("--higher-is-better", action="store_true")
-    parser.add_argument("--name", dest="sweep_name", default=None)
-    parser.add_argument("--parallel", type=int, default=0, help="most experiments at once (0: all)")
-    parser.add_argument("--retries", type=int, default=0, help="attempts after a killed run")
-
-    def validate(args: dict[str, Any]) -> None:
-        name = clone.check_name("sweep_name", args["sweep_name"] or "sweep")
-        grid = DEFAULT_GRID if args["grid"] is None else args["grid"]
-        base = DEFAULT_BASE if args["base"] is None else args["base"]
-        validate_runs(committed_params(), plan_runs(grid, base, name), base)
-
-    cli(lambda: vars(parser.parse_args()), validate, sweep)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """The sweep's comparison: runs ranked by a metric, grouped over seeds, a table and a plot.
 
 Pure functions over what each experiment run published (its ``pipeline-metrics`` artifact,
-see :func:`flows.pipeline.publish_run`, read back by :mod:`flows.sweep`); no Prefect, no DVC
+see :func:`run_rows`, read back by :mod:`flows.sweep`); no Prefect, no DVC
 calls, so the report can be rebuilt and tested from saved JSON. A metric that no experiment
 has (the evaluation stage not run yet, a typo) is reported as missing, never a crash. Every
 string a caller chose (grid values, metric names, errors) is shown as a code span
@@ -10,6 +10,7 @@ string a caller chose (grid values, metric names, errors) is shown as a code spa
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -386,3 +387,92 @@ def draw_plot(
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)
     return path
+
+
+# -- the tables a run and a sweep publish (Prefect artifacts) -----------------------------
+
+
+def run_rows(
+    files: Mapping[str, Mapping[str, Any]],
+    params: Mapping[str, Any],
+    overrides: Mapping[str, Any],
+    ran_on: Mapping[str, Any],
+) -> list[dict[str, Any]]:
+    """A pipeline run's ``pipeline-metrics`` table: every metric (by file), every param
+    (overridden ones marked) and where the run ran, one row each."""
+    rows = [
+        {"kind": "metric", "source": source, "key": key, "value": value}
+        for source, data in files.items()
+        for key, value in flatten(data).items()
+    ]
+    rows += [
+        {
+            "kind": "param (override)" if key in overrides else "param",
+            "source": "params.yaml",
+            "key": key,
+            "value": json.dumps(value) if isinstance(value, list) else value,
+        }
+        for key, value in flatten(params).items()
+    ]
+    return rows + [
+        {"kind": "run", "source": "environment", "key": key, "value": value}
+        for key, value in ran_on.items()
+    ]
+
+
+def read_run_rows(rows: Sequence[Mapping[str, Any]]) -> tuple[dict[str, dict], dict[str, Any]]:
+    """(metrics by file, where it ran) of a ``pipeline-metrics`` table (:func:`run_rows`)."""
+    metrics: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        if row["kind"] == "metric":
+            metrics.setdefault(row["source"], {})[row["key"]] = row["value"]
+    return metrics, {row["key"]: row["value"] for row in rows if row["kind"] == "run"}
+
+
+def run_markdown(record: Mapping[str, Any]) -> str:
+    """The markdown artifact of one pipeline run (callers' strings only inside code)."""
+    exp = record["experiment"]
+    lines = [
+        "# ganpipe pipeline run",
+        "",
+        f"- DVC experiment: **{exp}** on commit `{record['commit'][:7]}` "
+        f"(`dvc exp show`, `dvc exp apply {exp}` in the project)",
+        "- ran on: " + ", ".join(f"{k} {code(v)}" for k, v in record["ran_on"].items()),
+        "- stages: " + ", ".join(f"{name} ({how})" for name, how in record["stages"].items()),
+    ]
+    if record["overrides"]:
+        lines.append(f"- overrides: {code(json.dumps(record['overrides']))}")
+    lines += ["", "| metric | value |", "|---|---:|"]
+    for key, value in record["metrics"].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            lines.append(f"| {code(key)} | {float(value):.6g} |")
+    return "\n".join(lines)
+
+
+def sweep_rows(
+    runs: Sequence[Run],
+    found: Mapping[str, Mapping[str, Any]],
+    metric: str,
+    higher_is_better: bool,
+) -> list[dict[str, Any]]:
+    """The ``sweep-ranking`` table: the runs ranked, with their settings, measurements,
+    state, where and when they ran, and their error."""
+    perf = [k for k in PERF_KEYS if any(k in r.perf for r in runs)]
+    table = []
+    for i, r in enumerate(rank_runs(runs, higher_is_better), 1):
+        exp = found.get(r.name, {})
+        ran_on = exp.get("ran_on") or {}
+        table.append(
+            {
+                "rank": i,
+                "experiment": r.name,
+                **r.settings,
+                metric: r.metric,
+                **{PERF_TITLES[k]: r.perf.get(k) for k in perf},
+                "state": r.state,
+                **{k: ran_on.get(k) for k in ("worker", "host", "cuda_visible_devices")},
+                **{k: exp.get(k) for k in ("started", "ended")},
+                "error": r.error,
+            }
+        )
+    return table

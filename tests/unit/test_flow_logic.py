@@ -8,7 +8,6 @@ import io
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from ruamel.yaml import YAML
 
 from flows import clone, service
 from flows.clone import DvcCommandError
-from flows.pipeline import MEASURED_METRICS, _parse_set, code, retry_only_transient, run_markdown
+from flows.pipeline import MEASURED_METRICS, retry_only_transient
 from flows.sweep import DEFAULT_GRID, plan_runs, validate_runs
 from ganpipe import overrides as ov
 from ganpipe.params import ParamsError, read_yaml
@@ -93,13 +92,6 @@ def test_overrides_are_validated_and_normalised():
 def test_a_bad_experiment_name_is_refused(name):
     with pytest.raises(ParamsError, match="is not a valid name"):
         clone.check_name("exp_name", name)
-
-
-def test_command_line_overrides_are_read_as_dvc_reads_them():
-    # `--set train.lr_g=1e-3` is a number, as in `dvc exp run -S train.lr_g=1e-3`.
-    assert _parse_set("train.lr_g=1e-3") == ("train.lr_g", 0.001)
-    assert _parse_set("train.strategy=g_first_detach") == ("train.strategy", "g_first_detach")
-    assert _parse_set("devices.gpus=[0, 1]") == ("devices.gpus", [0, 1])
 
 
 def test_a_quoted_number_in_an_override_is_refused():
@@ -284,7 +276,7 @@ HOSTILE = "x`|\n## injected\n<script>alert(1)</script>|"
 
 
 def test_callers_strings_cannot_break_out_of_the_reports():
-    assert "\n" not in code(HOSTILE) and code(HOSTILE).count("`") == 2
+    assert "\n" not in report.code(HOSTILE) and report.code(HOSTILE).count("`") == 2
     planned = {"s-0": {"train.strategy": HOSTILE}}
     found = {"s-0": {"state": "failed", "error": HOSTILE}}
     runs = report.collect_runs(planned, found, HOSTILE)
@@ -298,7 +290,9 @@ def test_callers_strings_cannot_break_out_of_the_reports():
         "overrides": {"data.path": HOSTILE},
         "metrics": {HOSTILE: 1.0},
     }
-    assert not [line for line in run_markdown(record).splitlines() if line.startswith("## inj")]
+    assert not [
+        line for line in report.run_markdown(record).splitlines() if line.startswith("## inj")
+    ]
 
 
 def exp(metrics: dict, state: str = "success") -> dict:
@@ -419,26 +413,19 @@ def test_one_ruler_is_named_and_a_run_without_one_is_flagged():
     assert "`s-a-1` record no ruler" in text
 
 
-@pytest.mark.parametrize(
-    ("module", "args", "says"),
-    [
-        (
-            "flows.pipeline",
-            ["--set", "train.kimg=-1"],
-            "train.kimg: Input should be greater than 0",
-        ),
-        ("flows.pipeline", ["--set", "train.lr_g=1e400"], "train.lr_g: Input should be a finite"),
-        ("flows.pipeline", ["--set", "seed=!!python/object:os.system"], "--set seed: could not"),
-        ("flows.pipeline", ["--commit", "nope"], "'nope' is not a commit"),
-        ("flows.sweep", ["--grid", "[1]"], "grid: give a mapping"),
-    ],
-)
-def test_the_flows_command_lines_answer_bad_input_with_one_error_not_a_traceback(
-    module, args, says
-):
-    done = subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True
-    )
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.startswith("error: ") and says in done.stderr
-    assert "Traceback" not in done.stderr
+def test_a_runs_table_reads_back_as_its_metrics_and_where_it_ran():
+    files = {"metrics/eval/metrics.json": {"fid": 3.5, "ruler": {"featurenet": "a" * 64}}}
+    params = {"seed": 1, "train": {"kimg": 2.0, "gpus": [0, 1]}}
+    ran_on = {"host": "h", "worker": "w", "cuda_visible_devices": None}
+    rows = report.run_rows(files, params, {"seed": 1}, ran_on)
+    kinds = {row["key"]: row["kind"] for row in rows}
+    assert kinds["seed"] == "param (override)" and kinds["train.kimg"] == "param"
+    assert {
+        "key": "train.gpus",
+        "kind": "param",
+        "source": "params.yaml",
+        "value": "[0, 1]",
+    } in rows
+    metrics, where = report.read_run_rows(rows)
+    assert metrics == {"metrics/eval/metrics.json": {"fid": 3.5, "ruler.featurenet": "a" * 64}}
+    assert where == ran_on
