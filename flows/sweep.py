@@ -48,7 +48,6 @@ from flows.pipeline import (
     retry_only_transient,
     run_logger,
 )
-from ganpipe.checkpoint import write_bytes_atomic
 from ganpipe.overrides import ParamsError, validate_overrides
 from reports import ranking as report
 
@@ -63,8 +62,6 @@ DEFAULT_GRID: dict[str, list[Any]] = {
 }
 #: Shared by every run of the default sweep: short training (20k images per run).
 DEFAULT_BASE: dict[str, Any] = {"train.kimg": 20}
-#: Grid keys that repeat a setting rather than define one; the summary averages over them.
-REPEAT_KEYS = ("seed",)
 
 
 def plan_runs(
@@ -218,29 +215,13 @@ def publish_report(
     """Write the report (markdown, PNG plot, JSON) as ``folder/NAME.*`` and publish it as
     Prefect artifacts."""
     failed = [n for n, exp in found.items() if exp.get("state") != "success"]
-    runs = report.collect_runs(planned, found, metric)
-    keys = list(next(iter(planned.values())))
-    group_keys = [k for k in keys if k not in REPEAT_KEYS]
-    groups = report.group_runs(runs, group_keys, higher_is_better)
-    perf = [k for k in report.PERF_KEYS if any(k in r.perf for r in runs)]
-    panels = [("metric", f"{metric} ({'higher' if higher_is_better else 'lower'} is better)")]
-    panels += [(k, report.PERF_TITLES[k]) for k in perf]
-
-    folder.mkdir(parents=True, exist_ok=True)
     md_path = folder / f"{sweep_name}.md"
-    png_path = report.draw_plot(md_path.with_suffix(".png"), groups, panels)
-    title = "Which update strategy? Sweep report" if "train.strategy" in keys else "Sweep report"
-    markdown = report.render_markdown(
-        title, runs, group_keys, metric, higher_is_better, context, png_path.name
+    markdown, table = report.write_sweep_report(
+        md_path, planned, found, metric, higher_is_better, context
     )
-    write_bytes_atomic(markdown.encode(), md_path)
-    table = report.sweep_rows(runs, found, metric, higher_is_better)
-    record = {"context": context, "metric": metric, "runs": table}
-    text = json.dumps(record, indent=2) + "\n"
-    write_bytes_atomic(text.encode(), md_path.with_suffix(".json"))
     create_table_artifact(table, key="sweep-ranking", description=f"Sweep runs ranked by {metric}")
     create_markdown_artifact(markdown, key="sweep-report", description=f"Sweep report ({md_path})")
-    return {"report": str(md_path), "plot": str(png_path), "runs": table, "failed": failed}
+    return {"report": str(md_path), "runs": table, "failed": failed}
 
 
 @flow(name="ganpipe-sweep")

@@ -2,7 +2,8 @@
 
 Pure functions over what each experiment run published (its ``pipeline-metrics`` artifact,
 see :func:`run_rows`, read back by :mod:`flows.sweep`); no Prefect, no DVC
-calls, so the report can be rebuilt and tested from saved JSON. A metric that no experiment
+calls, so the report can be rebuilt and tested from saved JSON (:func:`write_sweep_report`
+writes its three files). A metric that no experiment
 has (the evaluation stage not run yet, a typo) is reported as missing, never a crash. Every
 string a caller chose (grid values, metric names, errors) is shown as a code span
 (:func:`code`), so it cannot add lines, cells or HTML to the markdown.
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ganpipe.checkpoint import write_bytes_atomic
 from ganpipe.overrides import flatten
 
 #: Train-stage measurements shown beside the ranking metric (dotted keys of its metrics).
@@ -26,6 +28,8 @@ PERF_KEYS = {
     "peak_memory_mb": "perf.peak_memory_mb",
     "images_per_s": "perf.images_per_s",
 }
+#: Grid keys that repeat a setting rather than define one; the summary averages over them.
+REPEAT_KEYS = ("seed",)
 PERF_TITLES = {
     "step_ms": "step ms",
     "peak_memory_mb": "peak memory MB",
@@ -476,3 +480,32 @@ def sweep_rows(
             }
         )
     return table
+
+
+def write_sweep_report(
+    md_path: Path,
+    planned: Mapping[str, Mapping[str, Any]],
+    found: Mapping[str, Mapping[str, Any]],
+    metric: str,
+    higher_is_better: bool,
+    context: Mapping[str, Any],
+) -> tuple[str, list[dict[str, Any]]]:
+    """Write the sweep report ``md_path`` (markdown), its plot (``.png``) and its ranking
+    (``.json``); return the markdown and the ranking table."""
+    runs = collect_runs(planned, found, metric)
+    keys = list(next(iter(planned.values())))
+    group_keys = [k for k in keys if k not in REPEAT_KEYS]
+    groups = group_runs(runs, group_keys, higher_is_better)
+    panels = [("metric", f"{metric} ({'higher' if higher_is_better else 'lower'} is better)")]
+    panels += [(k, PERF_TITLES[k]) for k in PERF_KEYS if any(k in r.perf for r in runs)]
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    png_path = draw_plot(md_path.with_suffix(".png"), groups, panels)
+    title = "Which update strategy? Sweep report" if "train.strategy" in keys else "Sweep report"
+    markdown = render_markdown(
+        title, runs, group_keys, metric, higher_is_better, context, png_path.name
+    )
+    write_bytes_atomic(markdown.encode(), md_path)
+    table = sweep_rows(runs, found, metric, higher_is_better)
+    record = {"context": context, "metric": metric, "runs": table}
+    write_bytes_atomic((json.dumps(record, indent=2) + "\n").encode(), md_path.with_suffix(".json"))
+    return markdown, table
