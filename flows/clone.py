@@ -1,8 +1,8 @@
 """Where a flow run happens: a fresh clone of the project, and DVC's own experiments.
 
 Every run works in a fresh git clone of the project's repository, made by the deployments'
-``git_clone`` pull step (prefect.yaml) in the worker's per-run temporary folder, which the
-worker removes when the run ends, fails or is cancelled. Here the clone is moved to the
+``git_clone`` pull step (prefect.yaml) in the worker's per-run temporary folder, and removed
+by the run when it ends, fails or is cancelled (:func:`owned`). Here the clone is moved to the
 commit the run starts from, its DVC cache wired (the origin's own cache on the same machine,
 otherwise its DVC remote), its overrides written into params.yaml, and the experiment made
 and returned by DVC itself: ``dvc exp run -n NAME`` and ``dvc exp push origin NAME``, so
