@@ -12,18 +12,19 @@ export DVC_NO_ANALYTICS := 1
 export PREFECT_HOME := $(CURDIR)/.state/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-# `make serve`: a local Prefect server on 127.0.0.1:$(PREFECT_PORT) that wants the credentials
-# of .state/prefect-auth (made once, mode 0600), the deployments on the process work pool
-# `ganpipe`, one local worker for the experiments and one for the sweeps, in the background
-# (logs and pids under .state/); SQLite unless PREFECT_DB names a database
-# (postgresql+asyncpg://USER:PASSWORD@HOST:5432/DB). `make worker GPU=N` adds a worker whose
-# runs see only GPU N (CUDA_VISIBLE_DEVICES), here or on another machine with the server's
+# `make serve`: Prefect's own server, work pool, deployments (prefect.yaml) and two workers,
+# in the background, with the credential of .state/prefect.env (made once, mode 0600, in a
+# 0700 folder; logs and pids under .state/); SQLite unless PREFECT_DB names a database
+# (postgresql+asyncpg://USER:PASSWORD@HOST:5432/DB). Every run clones REPO (default: this
+# project) into a temporary folder of the worker, runs `dvc exp run` there and returns the
+# experiment with `dvc exp push`. `make worker GPU=N` adds a worker whose runs see only GPU N
+# (CUDA_VISIBLE_DEVICES), here or on any machine with the package installed and the server's
 # .state/prefect.env copied over. `make stop` stops what both started; `make flow-runs` lists
-# the runs with .state/prefect.env (URL and credentials). SERVE_ARGS go to
-# `python -m flows.service start`, e.g. SERVE_ARGS="--pipeline 60 --sweep off --gpu 0".
-# Docs: docs/orchestration.md, docs/team.md.
+# the runs. SERVE_ARGS go to `python -m flows.service start`, e.g.
+# SERVE_ARGS="--pipeline 60 --sweep off --gpu 0". Docs: docs/orchestration.md, docs/team.md.
 PREFECT_PORT ?= 4200
 PREFECT_DB ?=
+REPO ?=
 SERVE_ARGS ?=
 GPU ?=
 WORKER_ARGS ?=
@@ -76,7 +77,7 @@ bench: setup
 
 serve: setup
 	python -m flows.service start --port $(PREFECT_PORT) \
-		$(if $(PREFECT_DB),--database-url '$(PREFECT_DB)') $(SERVE_ARGS)
+		$(if $(PREFECT_DB),--database-url '$(PREFECT_DB)') $(if $(REPO),--repo '$(REPO)') $(SERVE_ARGS)
 
 worker: setup
 	python -m flows.service worker $(if $(GPU),--gpu $(GPU)) $(WORKER_ARGS)

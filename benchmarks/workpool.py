@@ -27,7 +27,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from flows import deploy, service
+from flows import service
 from tests.e2e.conftest import TINY
 from tests.helpers import clone_working_tree, sh
 
@@ -51,10 +51,10 @@ def run_sweep(project: Path, workers: int, query_s: float, name: str, seed: int)
     env = service.start(
         state,
         service.free_port(),
-        ["--pipeline", "off", "--sweep", "off"],
-        extra_env=quick,
+        {"pipeline": "off", "sweep": "off"},
         project=project,
         local_worker=False,
+        extra_env=quick,
     )
     try:
         for index in range(workers):
@@ -66,7 +66,6 @@ def run_sweep(project: Path, workers: int, query_s: float, name: str, seed: int)
                 gpu=str(index),
                 name=f"w{index}",
                 extra_env=quick,
-                project=project,
             )
         settings = {
             PREFECT_API_URL: env["PREFECT_API_URL"],
@@ -77,10 +76,9 @@ def run_sweep(project: Path, workers: int, query_s: float, name: str, seed: int)
             "base": {**BASE, "seed": seed},
             "metric": "loss.d",
             "sweep_name": name,
-            "report_path": f"reports/{name}.md",
         }
         with temporary_settings(settings):
-            started = run_deployment(deploy.SWEEP, parameters=parameters, timeout=0)
+            started = run_deployment(service.DEPLOYMENTS["sweep"], parameters=parameters, timeout=0)
             with get_client(sync_client=True) as client:
                 while not (run := client.read_flow_run(started.id)).state.is_final():
                     time.sleep(1)
@@ -88,7 +86,7 @@ def run_sweep(project: Path, workers: int, query_s: float, name: str, seed: int)
     finally:
         service.stop(state)
         shutil.rmtree(state, ignore_errors=True)
-    rows = json.loads((project / f"reports/{name}.json").read_text())["runs"]
+    rows = json.loads((project / f"reports/sweeps/{name}.json").read_text())["runs"]
     gaps = []
     for worker in {r["worker"] for r in rows}:
         spans = sorted(

@@ -1,30 +1,23 @@
-"""Start and stop a locked-down Prefect server, the project's deployments and its workers.
+"""``make serve`` / ``make worker`` / ``make stop``: Prefect's own CLI, plus what it lacks.
 
-``python -m flows.service start`` (``make serve``):
+``python -m flows.service start`` runs, with the credential file ``.state/prefect.env``
+(``PREFECT_API_URL`` and ``PREFECT_API_AUTH_STRING``, made once, mode 0600):
+``prefect server start`` in the background (on 127.0.0.1, basic auth, CORS limited to its
+own UI, SQLite in ``.state/prefect`` or ``--database-url``), ``prefect work-pool create``,
+``prefect variable set ganpipe_repo`` (what every run clones), ``prefect deploy --all``
+(prefect.yaml), the schedules asked for, two automations (a run whose heartbeats stop, or
+whose process never starts, is marked Crashed) and two ``prefect worker start``: one for the
+``experiments`` queue (``--gpu``), one for the ``sweeps`` queue.
 
-1. generates the server's credentials once per checkout: ``.state/prefect-auth``
-   (``ganpipe:<random>``, mode 0600);
-2. ``prefect server start`` in the background (log ``.state/prefect-server.log``) on
-   127.0.0.1 (``--host`` for a team server), with basic auth
-   (``PREFECT_SERVER_API_AUTH_STRING``), CORS limited to the server's own UI origin, telemetry
-   off, on SQLite under ``.state/prefect`` or on the database of
-   ``--database-url`` (``PREFECT_API_DATABASE_CONNECTION_URL``, e.g. PostgreSQL);
-   ``prefect server status --wait`` until healthy;
-3. ``python -m flows.deploy ...``: the work pool, its queues, the deployments, the crash
-   automation (:mod:`flows.deploy`);
-4. two workers in the background (logs and pids in ``.state/workers/``): one for the
-   ``experiments`` queue taking one run at a time (the machine's GPU, or ``--gpu``), one for
-   the ``sweeps`` queue (a sweep only waits for its experiments);
-5. writes ``.state/prefect.env`` (mode 0600; ``. .state/prefect.env`` points a shell's
-   ``prefect`` commands, and ``make worker`` on any machine, at this server).
+``python -m flows.service worker --gpu N`` starts one more experiments worker, on any
+machine with the package installed and the server's ``prefect.env`` copied into ``.state/``:
+runs clone the repository themselves, so no checkout at a particular path is needed.
+``python -m flows.service stop`` stops what both started (workers first).
 
-``python -m flows.service worker --gpu N`` (``make worker GPU=N``) starts one more worker for
-the ``experiments`` queue with ``CUDA_VISIBLE_DEVICES=N``: every flow run it starts inherits
-its environment. On another machine, copy ``.state/prefect.env`` (URL and credentials) from
-the server's host first. ``python -m flows.service stop`` (``make stop``) stops this
-checkout's workers first (otherwise they retry the vanished server), then the server if it
-runs here. Prefect offers no allow-list for the ``Host`` header, so a request with a foreign
-Host is not refused by name; it still needs the credentials.
+What Prefect's CLI lacks and this adds: starting in the background without dying on a closed
+pipe, stopping what was started, and a credential that stays home (0600 files in a 0700
+folder; the URL and the credential come from the same file, and the credential is never sent
+to another URL).
 """
 
 from __future__ import annotations
@@ -48,70 +41,105 @@ from pathlib import Path
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 STATE_DIR = PROJECT_ROOT / ".state"
 HOST = "127.0.0.1"
-WORKERS = "workers"
-SERVER_LOG = "prefect-server.log"
-#: flows/deploy.py's names (this module imports the standard library only).
+AUTH = "PREFECT_API_AUTH_STRING"
 POOL, EXPERIMENTS, SWEEPS = "ganpipe", "experiments", "sweeps"
-EXPERIMENT = "ganpipe-pipeline/experiment"
-DEPLOYMENTS = ("ganpipe-pipeline/scheduled", EXPERIMENT, "ganpipe-sweep/scheduled")
-#: Seconds between a flow run's heartbeats (flows/deploy.py HEARTBEAT_S).
+DEPLOYMENTS = {
+    "pipeline": "ganpipe-pipeline/scheduled",
+    "experiment": "ganpipe-pipeline/experiment",
+    "sweep": "ganpipe-sweep/scheduled",
+}
+#: Seconds between a flow run's heartbeats (Prefect's minimum is 30); set on the workers.
 HEARTBEAT_S = 30
-#: Seconds between a worker's polls for work; Prefect's 10 s is long beside short runs
-#: (benchmarks/workpool.py measures the gap it leaves between two runs).
+#: Seconds between a worker's polls for work (Prefect's 10 s is long beside short runs).
 QUERY_S = 2
 #: Sweeps one machine's sweep worker runs at once (each only waits for its experiments).
 SWEEP_LIMIT = 4
 
 
-def credentials(state_dir: Path) -> str:
-    """``user:password`` of the local server, made once into ``prefect-auth`` (mode 0600)."""
-    path = state_dir / "prefect-auth"
-    state_dir.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(f"ganpipe:{secrets.token_urlsafe(24)}\n")
-    if path.stat().st_mode & 0o077:
-        os.chmod(path, 0o600)
-    return path.read_text().strip()
+def private_file(path: Path, text: str | None = None) -> Path:
+    """``path`` (written with ``text``) as mode 0600 whatever existed before: opened with the
+    mode, then ``fchmod``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if text is not None else 0), 0o600)
+    with os.fdopen(fd, "w") as handle:
+        os.fchmod(handle.fileno(), 0o600)
+        if text is not None:
+            handle.write(text)
+    return path
+
+
+def private_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """``export K=V`` lines of ``prefect.env`` as a dict."""
+    env = {}
+    for line in path.read_text().splitlines():
+        key, sep, value = line.removeprefix("export ").partition("=")
+        if sep:
+            env[key] = shlex.split(value)[0] if value else ""
+    return env
 
 
 def client_env(state_dir: Path, port: int, host: str = HOST) -> dict[str, str]:
-    """Environment of the workers and of any ``prefect`` command using the server."""
+    """URL and credential of the local server: the credential made once, kept in
+    ``prefect.env``; the URL rewritten there for this port."""
+    private_dir(state_dir)
+    env_file = state_dir / "prefect.env"
+    old = read_env_file(env_file) if env_file.exists() else {}
+    auth = old.get("PREFECT_API_AUTH_STRING") or f"ganpipe:{secrets.token_urlsafe(24)}"
+    env = {"PREFECT_API_URL": f"http://{host}:{port}/api", "PREFECT_API_AUTH_STRING": auth}
+    private_file(env_file, "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()))
+    return env
+
+
+def tool_env(env: dict[str, str], state_dir: Path) -> dict[str, str]:
+    """The environment of every ``prefect`` command and process started here."""
     return {
-        "PREFECT_HOME": str(state_dir / "prefect"),
-        "PREFECT_API_URL": f"http://{host}:{port}/api",
-        "PREFECT_API_AUTH_STRING": credentials(state_dir),
+        **os.environ,
+        **env,
+        "PREFECT_HOME": str(private_dir(state_dir / "prefect")),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DVC_NO_ANALYTICS": "1",
     }
 
 
-def server_env(
-    state_dir: Path, port: int, host: str = HOST, database_url: str | None = None
-) -> dict[str, str]:
-    env = {
-        **client_env(state_dir, port, host),
-        "PREFECT_SERVER_API_HOST": host,
-        "PREFECT_SERVER_API_PORT": str(port),
-        "PREFECT_SERVER_API_AUTH_STRING": credentials(state_dir),
-        "PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": f"http://{host}:{port}",
-    }
-    if database_url:
-        env["PREFECT_API_DATABASE_CONNECTION_URL"] = database_url
-    return env
-
-
-def prefect(args: list[str], env: dict[str, str], timeout_s: float = 180):
-    """``prefect ARGS`` with ``env``, in a session of its own (so is the server it starts)."""
-    return subprocess.run(
+def prefect(args: list[str], env: dict[str, str], cwd: Path = PROJECT_ROOT, timeout_s=180):
+    """``prefect ARGS``; raises RuntimeError with its output when it fails."""
+    done = subprocess.run(
         [sys.executable, "-m", "prefect", *args],
-        env={**os.environ, **env},
+        env=env,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout_s,
-        start_new_session=True,
+        stdin=subprocess.DEVNULL,
     )
+    if done.returncode:
+        raise RuntimeError(f"prefect {' '.join(args)} failed:\n{done.stdout}{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def background(args: list[str], env: dict[str, str], log: Path, pid: Path) -> subprocess.Popen:
+    """``prefect ARGS`` in a session of its own, writing to ``log`` (0600), pid in ``pid``.
+
+    Not ``prefect server start --background``: that hands the server pipes nobody reads once
+    it has returned, so the first warning it prints kills it (EPIPE).
+    """
+    with open(private_file(log), "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prefect", *args],
+            env=env,
+            cwd=log.parent,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    private_file(pid, f"{proc.pid}\n")
+    return proc
 
 
 def free_port() -> int:
@@ -131,6 +159,190 @@ def api(env: dict[str, str], path: str, body: dict | None = None):
     )
     with urllib.request.urlopen(request, timeout=5) as answer:
         return json.loads(answer.read() or b"null")
+
+
+def schedule_args(text: str) -> list[str] | None:
+    """``"0 2 * * *"`` -> cron, ``"3600"`` -> every 3600 s, ``"off"`` -> None.
+
+    Raises:
+        ValueError: neither a 5-field cron string, a positive number, nor ``off``.
+    """
+    text = text.strip()
+    if text.lower() in ("off", "none", ""):
+        return None
+    with contextlib.suppress(ValueError):
+        if float(text) > 0:
+            return ["--interval", text]
+    if len(text.split()) != 5:
+        raise ValueError(f"schedule {text!r}: use a cron string ('0 2 * * *'), seconds or 'off'")
+    return ["--cron", text, "--timezone", "UTC"]
+
+
+def automations(crash_after_s: float, start_within_s: float) -> None:
+    """A flow run that sent a heartbeat and then nothing for ``crash_after_s`` (its machine
+    died), or that a worker took but whose process did not start running within
+    ``start_within_s`` (a command that fails), is marked Crashed (Prefect's zombie recipe)."""
+    from prefect.automations import Automation
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+    from prefect.exceptions import ObjectNotFound
+
+    final = {f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")}
+    specs = [
+        ("heartbeat", "prefect.flow-run.heartbeat", {"prefect.flow-run.heartbeat"}, crash_after_s),
+        ("start", "prefect.flow-run.Pending", {"prefect.flow-run.Running"}, start_within_s),
+    ]
+    for name, after, expect, within in specs:
+        title = f"ganpipe: crash runs without {name}"
+        with contextlib.suppress(ValueError, ObjectNotFound):
+            Automation.read(name=title).delete()
+        Automation(
+            name=title,
+            trigger=EventTrigger(
+                after={after},
+                expect=expect | final,
+                match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+                for_each={"prefect.resource.id"},
+                posture=Posture.Proactive,
+                threshold=1,
+                within=datetime.timedelta(seconds=within),
+            ),
+            actions=[
+                ChangeFlowRunState(
+                    state=StateType.CRASHED,
+                    message=f"no {name} for {within:g} s: its process or machine is gone",
+                )
+            ],
+        ).create()
+
+
+def start(
+    state_dir: Path,
+    port: int,
+    schedules: dict[str, str],
+    project: Path = PROJECT_ROOT,
+    repo: str | None = None,
+    host: str = HOST,
+    database_url: str | None = None,
+    gpu: str | None = None,
+    limit: int = 1,
+    local_worker: bool = True,
+    crash_after_s: float = 3 * HEARTBEAT_S,
+    start_within_s: float = 300,
+    extra_env: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """Server, deployments, automations, workers; return URL and credential.
+
+    Args:
+        schedules: ``pipeline`` and ``sweep`` -> cron, seconds or ``off`` (None: prefect.yaml's).
+        project: The checkout whose prefect.yaml is deployed.
+        repo: What runs clone (default: ``project``); a team's git remote URL.
+        database_url: The server's database (default SQLite in ``state_dir/prefect``).
+        gpu: ``CUDA_VISIBLE_DEVICES`` of the local experiments worker (default: inherited).
+        local_worker: False: the sweeps worker only (a team server whose GPUs are elsewhere).
+
+    Raises:
+        RuntimeError: something already runs, or a step failed (its output attached).
+    """
+    if running(state_dir):
+        raise RuntimeError(f"a server or workers already run from {state_dir}; make stop first")
+    env = client_env(state_dir, port, host)
+    tools = tool_env({**env, **(extra_env or {})}, state_dir)
+    server = {
+        "PREFECT_SERVER_API_HOST": host,
+        "PREFECT_SERVER_API_PORT": str(port),
+        "PREFECT_SERVER_API_AUTH_STRING": env["PREFECT_API_AUTH_STRING"],
+        "PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": f"http://{host}:{port}",
+    }
+    if database_url:
+        server["PREFECT_API_DATABASE_CONNECTION_URL"] = database_url
+    proc = background(
+        ["server", "start"], {**tools, **server}, state_dir / "server.log", state_dir / "server.pid"
+    )
+    try:
+        prefect(["server", "status", "--wait", "-t", "120"], tools)
+        if proc.poll() is not None:
+            raise RuntimeError(f"prefect server on {host}:{port} exited")
+        prefect(["work-pool", "create", POOL, "--type", "process", "--overwrite"], tools)
+        prefect(["variable", "set", "ganpipe_repo", repo or str(project), "--overwrite"], tools)
+        prefect(["--no-prompt", "deploy", "--all"], tools, cwd=project)
+        for key, text in schedules.items():
+            how = schedule_args(text)
+            name = DEPLOYMENTS[key]
+            if how is None:
+                prefect(["deployment", "schedule", "clear", name, "-y"], tools)
+            else:
+                prefect(["deployment", "schedule", "create", name, *how, "--replace", "-y"], tools)
+        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+        settings = {PREFECT_API_URL: env["PREFECT_API_URL"]}
+        with temporary_settings({**settings, PREFECT_API_AUTH_STRING: env[AUTH]}):
+            automations(crash_after_s, start_within_s)
+        start_worker(state_dir, env, SWEEPS, SWEEP_LIMIT, gpu="", extra_env=extra_env)
+        if local_worker:
+            start_worker(state_dir, env, EXPERIMENTS, limit, gpu=gpu, extra_env=extra_env)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        stop(state_dir)
+        tail = (state_dir / "server.log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"{exc}\nserver log:\n{tail}") from None
+    return env
+
+
+def start_worker(
+    state_dir: Path,
+    env: dict[str, str],
+    queue: str,
+    limit: int,
+    gpu: str | None = None,
+    name: str | None = None,
+    extra_env: dict[str, str] | None = None,
+    timeout_s: float = 120,
+) -> str:
+    """``prefect worker start`` for ``queue`` in the background; return its name.
+
+    ``CUDA_VISIBLE_DEVICES`` is set to ``gpu`` (``""``: none) unless it is None, and
+    ``GANPIPE_WORKER`` to the worker's name: the runs it starts inherit both and record them.
+
+    Raises:
+        RuntimeError: the worker did not register with the server within ``timeout_s``.
+    """
+    node = socket.gethostname().split(".")[0]
+    name = name or (f"{node}-gpu{gpu}" if queue == EXPERIMENTS and gpu else f"{node}-{queue}")
+    folder = private_dir(state_dir / "workers")
+    if pid_of(folder / f"{name}.pid"):
+        raise RuntimeError(f"worker {name} already runs from {state_dir}; make stop first")
+    worker_env = {
+        **env,
+        "GANPIPE_WORKER": name,
+        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S),
+        "PREFECT_WORKER_QUERY_SECONDS": str(QUERY_S),
+        "PREFECT_WORKER_PREFETCH_SECONDS": str(QUERY_S),
+        **(extra_env or {}),
+    }
+    if gpu is not None:
+        worker_env["CUDA_VISIBLE_DEVICES"] = gpu
+    command = ["worker", "start", "--pool", POOL, "--work-queue", queue, "--type", "process"]
+    since = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=2)
+    proc = background(
+        [*command, "--limit", str(limit), "--name", name],
+        tool_env(worker_env, state_dir),
+        folder / f"{name}.log",
+        folder / f"{name}.pid",
+    )
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            for worker in api(env, f"/work_pools/{POOL}/workers/filter", {}):
+                beat = datetime.datetime.fromisoformat(worker["last_heartbeat_time"])
+                if worker["name"] == name and beat >= since:
+                    return name
+        time.sleep(0.5)
+    stop_pid(proc.pid)
+    (folder / f"{name}.pid").unlink(missing_ok=True)
+    tail = (folder / f"{name}.log").read_text(errors="replace")[-3000:]
+    raise RuntimeError(f"worker {name} did not start; its log:\n{tail}")
 
 
 def pid_of(path: Path) -> int | None:
@@ -153,326 +365,107 @@ def gone(pid: int) -> bool:
         return True
 
 
-def start(
-    state_dir: Path,
-    port: int,
-    deploy_args: list[str],
-    extra_env: dict[str, str] | None = None,
-    project: Path = PROJECT_ROOT,
-    timeout_s: float = 120,
-    host: str = HOST,
-    database_url: str | None = None,
-    gpu: str | None = None,
-    limit: int = 1,
-    local_worker: bool = True,
-) -> dict[str, str]:
-    """Server, deployments, workers; write ``prefect.env``; return the clients' environment.
-
-    Args:
-        deploy_args: Options of ``python -m flows.deploy`` (schedules, ``--crash-after``).
-        extra_env: Added to the environment of the deploy step and of the workers.
-        project: The checkout whose flows are deployed (and whose repository they use).
-        database_url: SQLAlchemy URL of the server's database (default: SQLite in
-            ``state_dir/prefect``), e.g. ``postgresql+asyncpg://user:pw@host:5432/prefect``.
-        gpu: ``CUDA_VISIBLE_DEVICES`` of the local experiments worker (default: inherited).
-        limit: Flow runs the local experiments worker runs at once.
-        local_worker: False starts the server and the deployments only (a team server whose
-            GPUs are on other machines; the sweeps worker still starts).
-
-    Raises:
-        RuntimeError: something already runs, or a step failed (its output attached).
-    """
-    env = client_env(state_dir, port, host)
-    if running_workers(state_dir) or pid_of(state_dir / "prefect" / "server.pid"):
-        raise RuntimeError(f"a server or workers already run from {state_dir}; make stop first")
-    (state_dir / "prefect").mkdir(parents=True, exist_ok=True)
-    # Not `prefect server start --background`: it hands the server pipes that nobody reads
-    # once it has returned, so the first warning the server prints kills it (EPIPE; measured:
-    # the server died when a sweep retried an experiment). Same command, in the foreground,
-    # writing to a log file, in a session of its own.
-    with open(state_dir / SERVER_LOG, "ab") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "server", "start"],
-            env={**os.environ, **server_env(state_dir, port, host, database_url)},
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    (state_dir / "prefect" / "server.pid").write_text(f"{server.pid}\n")
-    waited = prefect(["server", "status", "--wait", "-t", str(int(timeout_s))], env)
-    if waited.returncode or server.poll() is not None:
-        stop(state_dir)
-        tail = (state_dir / SERVER_LOG).read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"prefect server on {host}:{port} did not start:\n{waited.stdout}{tail}")
-    deployed = subprocess.run(
-        [sys.executable, "-m", "flows.deploy", *deploy_args],
-        cwd=project,
-        env={**os.environ, **env, **(extra_env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    if deployed.returncode:
-        stop(state_dir)
-        raise RuntimeError(f"flows.deploy failed:\n{deployed.stdout}{deployed.stderr[-3000:]}")
-    try:
-        start_worker(
-            state_dir,
-            env,
-            SWEEPS,
-            SWEEP_LIMIT,
-            gpu="",
-            extra_env=extra_env,
-            project=project,
-            timeout_s=timeout_s,
-        )
-        if local_worker:
-            start_worker(
-                state_dir,
-                env,
-                EXPERIMENTS,
-                limit,
-                gpu=gpu,
-                extra_env=extra_env,
-                project=project,
-                timeout_s=timeout_s,
-            )
-    except RuntimeError:
-        stop(state_dir)
-        raise
-    env_file = state_dir / "prefect.env"
-    env_file.touch(mode=0o600)
-    env_file.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()))
-    return env
+def running(state_dir: Path) -> list[Path]:
+    pids = [state_dir / "server.pid", *sorted((state_dir / "workers").glob("*.pid"))]
+    return [path for path in pids if pid_of(path)]
 
 
-def worker_name(queue: str, gpu: str | None) -> str:
-    """``HOST-gpuN`` for an experiments worker with a GPU, ``HOST-QUEUE`` otherwise."""
-    node = socket.gethostname().split(".")[0]
-    if queue == EXPERIMENTS and gpu:
-        return f"{node}-gpu{gpu.replace(',', '_')}"
-    return f"{node}-{queue}"
-
-
-def start_worker(
-    state_dir: Path,
-    env: dict[str, str],
-    queue: str,
-    limit: int,
-    gpu: str | None = None,
-    name: str | None = None,
-    extra_env: dict[str, str] | None = None,
-    project: Path = PROJECT_ROOT,
-    timeout_s: float = 120,
-) -> str:
-    """A ``process`` worker of the pool for ``queue`` in the background; return its name.
-
-    ``CUDA_VISIBLE_DEVICES`` is set to ``gpu`` (``""``: none) unless ``gpu`` is None, and
-    ``GANPIPE_WORKER`` to the worker's name: the flow runs it starts inherit both and record
-    them. It runs in ``project`` (the deployments' directory must be this checkout) in a
-    session of its own; pid and log in ``state_dir/workers/NAME.{pid,log}``.
-
-    Raises:
-        RuntimeError: the worker did not register with the server within ``timeout_s``.
-    """
-    name = name or worker_name(queue, gpu)
-    folder = state_dir / WORKERS
-    folder.mkdir(parents=True, exist_ok=True)
-    if pid_of(folder / f"{name}.pid"):
-        raise RuntimeError(f"worker {name} already runs from {state_dir}; make stop first")
-    worker_env = {
-        **env,
-        "GANPIPE_WORKER": name,
-        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S),
-        "PREFECT_WORKER_QUERY_SECONDS": str(QUERY_S),
-        "PREFECT_WORKER_PREFETCH_SECONDS": str(QUERY_S),
-        **(extra_env or {}),
-    }
-    if gpu is not None:
-        worker_env["CUDA_VISIBLE_DEVICES"] = gpu
-    command = ["worker", "start", "--pool", POOL, "--work-queue", queue, "--type", "process"]
-    command += ["--limit", str(limit), "--name", name]
-    since = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=2)
-    with open(folder / f"{name}.log", "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "prefect", *command],
-            cwd=project,
-            env={**os.environ, **worker_env},
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    (folder / f"{name}.pid").write_text(f"{proc.pid}\n")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(OSError, ValueError):
-            found = api(env, f"/work_pools/{POOL}/workers/filter", {})
-            if any(
-                w["name"] == name
-                and datetime.datetime.fromisoformat(w["last_heartbeat_time"]) >= since
-                for w in found
-            ):
-                return name
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_pid(proc.pid, group=True)
-            (folder / f"{name}.pid").unlink(missing_ok=True)
-            tail = (folder / f"{name}.log").read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"worker {name} did not start; its log:\n{tail}")
-        time.sleep(0.5)
-
-
-def deployed_directory(env: dict[str, str]) -> str | None:
-    """The directory the deployments run in (their ``set_working_directory`` pull step)."""
-    deployment = api(env, f"/deployments/name/{EXPERIMENT}")
-    for step in deployment.get("pull_steps") or []:
-        for name, args in step.items():
-            if name.endswith("set_working_directory"):
-                return args.get("directory")
-    return None
-
-
-def running_workers(state_dir: Path) -> list[Path]:
-    return [p for p in sorted((state_dir / WORKERS).glob("*.pid")) if pid_of(p)]
-
-
-def stop_pid(pid: int | None, group: bool, timeout_s: float = 30) -> bool:
-    """SIGTERM ``pid`` (its process group if ``group``), SIGKILL after ``timeout_s``.
-
-    Background processes of non-interactive shells ignore SIGINT, hence SIGTERM.
-    """
+def stop_pid(pid: int | None, timeout_s: float = 30) -> bool:
+    """SIGTERM the process group of ``pid``, SIGKILL after ``timeout_s``."""
     if pid is None:
         return False
-    kill = os.killpg if group else os.kill
     with contextlib.suppress(ProcessLookupError):
-        kill(pid, signal.SIGTERM)
+        os.killpg(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not gone(pid):
-            kill(pid, 0)
             time.sleep(0.2)
         if not gone(pid):
-            kill(pid, signal.SIGKILL)
+            os.killpg(pid, signal.SIGKILL)
     return True
 
 
 def stop(state_dir: Path) -> list[str]:
     """Stop the workers, then the server; return the names of what was running."""
     stopped = []
-    for path in sorted((state_dir / WORKERS).glob("*.pid")):
-        if stop_pid(pid_of(path), group=True):
-            stopped.append(f"worker {path.stem}")
+    for path in [*sorted((state_dir / "workers").glob("*.pid")), state_dir / "server.pid"]:
+        if stop_pid(pid_of(path)):
+            stopped.append(path.stem)
         path.unlink(missing_ok=True)
-    server = pid_of(state_dir / "prefect" / "server.pid")
-    if server:
-        stop_pid(server, group=True)
-        stopped.append("prefect-server")
-    for name in ("prefect.env", "prefect/server.pid"):
-        if name != "prefect.env" or server:  # a worker-only machine keeps the server's env
-            (state_dir / name).unlink(missing_ok=True)
     return stopped
 
 
-def read_env_file(path: Path) -> dict[str, str]:
-    """``export K=V`` lines of ``prefect.env`` as a dict."""
-    env = {}
-    for line in path.read_text().splitlines():
-        key, sep, value = line.removeprefix("export ").partition("=")
-        if sep:
-            env[key] = shlex.split(value)[0] if value else ""
-    return env
-
-
-def worker_main(args: argparse.Namespace, extra: list[str]) -> None:
-    """``make worker GPU=N``: one more experiments worker, against the configured server."""
-    if extra:
-        raise RuntimeError(f"unknown options {' '.join(extra)}")
+def worker_main(args: argparse.Namespace) -> str:
+    """``make worker GPU=N``: one more experiments worker, for the server of prefect.env."""
     env_file = STATE_DIR / "prefect.env"
-    env = read_env_file(env_file) if env_file.exists() else {}
-    for key in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING"):
-        env[key] = os.environ.get(key) or env.get(key, "")
-    if not env["PREFECT_API_URL"]:
+    if not env_file.exists():
+        raise RuntimeError(f"no server: run make serve here, or copy {env_file} from its host")
+    env = read_env_file(env_file)
+    named = os.environ.get("PREFECT_API_URL")
+    if named and named != env.get("PREFECT_API_URL"):
         raise RuntimeError(
-            f"no server: run make serve here, or copy {env_file} from the server's host "
-            "(or set PREFECT_API_URL and PREFECT_API_AUTH_STRING)"
+            f"PREFECT_API_URL={named} is not the server of {env_file} "
+            f"({env.get('PREFECT_API_URL')}); its credential goes to that server only: "
+            "unset PREFECT_API_URL, or copy that server's prefect.env"
         )
-    env.setdefault("PREFECT_HOME", str(STATE_DIR / "prefect"))
-    env.update({"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DVC_NO_ANALYTICS": "1"})
-    try:
-        directory = deployed_directory(env)
-    except OSError as exc:
-        raise RuntimeError(f"server {env['PREFECT_API_URL']} did not answer: {exc}") from None
-    if directory != str(PROJECT_ROOT):
-        raise RuntimeError(
-            f"the deployments run in {directory} but this checkout is {PROJECT_ROOT}; clone "
-            f"the project at {directory} on this machine and start the worker there"
-        )
+    private_file(env_file)
     gpu = None if args.gpu in (None, "") else str(args.gpu)
     name = start_worker(STATE_DIR, env, EXPERIMENTS, args.limit, gpu=gpu, name=args.name)
-    print(
-        f"worker {name} (CUDA_VISIBLE_DEVICES={gpu if gpu is not None else 'inherited'}) "
-        f"takes experiment runs from {env['PREFECT_API_URL']}; log: "
-        f"{STATE_DIR / WORKERS / name}.log; stop: make stop"
+    return (
+        f"worker {name} (CUDA_VISIBLE_DEVICES={gpu if gpu is not None else 'inherited'}) takes "
+        f"runs from {env['PREFECT_API_URL']}; log {STATE_DIR}/workers/{name}.log; make stop"
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Start or stop the Prefect service.")
     sub = parser.add_subparsers(dest="action", required=True)
-    begin = sub.add_parser(
-        "start", help="server + deployments + workers; other options go to flows.deploy"
-    )
+    begin = sub.add_parser("start", help="server + deployments + workers")
     begin.add_argument("--port", type=int, default=4200)
-    begin.add_argument(
-        "--host",
-        default=HOST,
-        help="address to listen on (default loopback; another one exposes the API and its "
-        "basic auth on the network: docs/team.md)",
-    )
-    begin.add_argument(
-        "--database-url",
-        default=os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL") or None,
-        help="the server's database (default SQLite in .state/prefect)",
-    )
+    begin.add_argument("--host", default=HOST, help="address to listen on (docs/team.md)")
+    begin.add_argument("--database-url", default=None, help="default SQLite in .state/prefect")
+    begin.add_argument("--repo", default=None, help="what runs clone (default this project)")
+    begin.add_argument("--pipeline", default=None, help="cron, seconds or off")
+    begin.add_argument("--sweep", default=None, help="cron, seconds or off")
+    begin.add_argument("--crash-after", type=float, default=3 * HEARTBEAT_S)
     begin.add_argument("--gpu", default=None, help="CUDA_VISIBLE_DEVICES of the local worker")
     begin.add_argument("--limit", type=int, default=1, help="runs the local worker takes at once")
-    begin.add_argument(
-        "--no-worker", action="store_true", help="no local experiments worker (team server)"
-    )
+    begin.add_argument("--no-worker", action="store_true", help="no local experiments worker")
     work = sub.add_parser("worker", help="one more experiments worker (make worker GPU=N)")
     work.add_argument("--gpu", default=None, help="CUDA_VISIBLE_DEVICES of its runs")
     work.add_argument("--limit", type=int, default=1, help="runs it takes at once")
     work.add_argument("--name", default=None, help="default HOST-gpuN")
     sub.add_parser("stop", help="stop what start and worker started")
-    args, extra = parser.parse_known_args()
+    args = parser.parse_args()
     try:
         if args.action == "stop":
             stopped = stop(STATE_DIR)
             print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
         elif args.action == "worker":
-            worker_main(args, extra)
+            print(worker_main(args))
         else:
-            start(
+            schedules = {k: getattr(args, k) for k in ("pipeline", "sweep") if getattr(args, k)}
+            for text in schedules.values():
+                schedule_args(text)
+            env = start(
                 STATE_DIR,
                 args.port,
-                extra,
+                schedules,
+                repo=args.repo,
                 host=args.host,
                 database_url=args.database_url,
                 gpu=args.gpu,
                 limit=args.limit,
                 local_worker=not args.no_worker,
+                crash_after_s=args.crash_after,
             )
             print(
-                f"Prefect server: http://{args.host}:{args.port} (UI; user and password in "
-                f"{STATE_DIR}/prefect-auth), on "
-                f"{'the database of --database-url' if args.database_url else 'SQLite'}\\n"
-                f"Deployments: {', '.join(DEPLOYMENTS)} on work pool {POOL}\\n"
-                f"Workers: {', '.join(p.stem for p in running_workers(STATE_DIR))}; logs: "
-                f"{STATE_DIR / WORKERS}/\\n"
-                f"Use it from a shell: . {STATE_DIR}/prefect.env && prefect flow-run ls\\n"
-                "More workers: make worker GPU=N; stop all: make stop"
+                f"Prefect server: {env['PREFECT_API_URL'][:-4]} (user and password in "
+                f"{STATE_DIR}/prefect.env)\nDeployments: {', '.join(DEPLOYMENTS.values())}\n"
+                f"Workers: {', '.join(p.stem for p in running(STATE_DIR)[1:])}; logs in "
+                f"{STATE_DIR}/workers/\nFrom a shell: . {STATE_DIR}/prefect.env && "
+                "prefect flow-run ls\nMore workers: make worker GPU=N; stop all: make stop"
             )
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
 

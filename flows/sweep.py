@@ -2,30 +2,28 @@
 
 Every combination of the grid (default: the three update strategies x fp32/bf16 x two
 seeds, at a small ``train.kimg``) is validated by the params schema first; then each is one
-run of the deployment ``ganpipe-pipeline/experiment`` (a flow run of its own that any worker
-of the work pool may take, in a checkout of its own at the commit the sweep started from,
-recorded as a DVC experiment): the sweep starts them all (at most ``parallel`` unfinished at
-once, if given) and waits for their final states; N workers run N at a time. Cancelling the
-sweep cancels them; one whose worker died is marked Crashed by the server (no heartbeat) and
-started again if ``retries`` allows. When all have ended, the comparison is published: a
-table ranked by a metric (default ``fid``) with step time, peak memory and where each ran,
-and a markdown report with a plot, written to ``reports/sweep.md`` (+ ``.png``,
-``.json``) and as Prefect artifacts. This report is the project's answer to "which strategy
-should I use".
+run of the deployment ``ganpipe-pipeline/experiment``: a flow run of its own that any
+worker of the work pool may take, in a fresh clone at the commit the sweep started from,
+returned as a DVC experiment (:mod:`flows.pipeline`). The sweep starts them all (at most
+``parallel`` unfinished at once, if given) and waits for their final states; N workers run
+N at a time. Cancelling the sweep cancels them; one whose worker died is marked Crashed by
+the server (no heartbeat) and started again if ``retries`` allows. Then the comparison is
+published as Prefect artifacts (a ranking table and a markdown report) and, when the
+project is a folder on this machine, written to its ``reports/sweeps/NAME.md`` (+ ``.png``,
+``.json``): the place comes from the sweep's validated name, never from a caller's path.
 
-Run once by hand::
+On demand, with the server's credentials (``. .state/prefect.env``; docs/orchestration.md)::
 
-    python -m flows.sweep                                   # the default grid
-    python -m flows.sweep --grid '{"train.strategy": ["d_first_detach", "g_first_detach"]}' \\
-        --base '{"train.kimg": 1}' --name tiny
+    prefect deployment run ganpipe-sweep/scheduled --param sweep_name=tiny \\
+        --param grid='{"train.strategy": ["d_first_detach", "g_first_detach"]}' \\
+        --param base='{"train.kimg": 1}'
 
-The experiments run on the workers of the server named by ``PREFECT_API_URL`` (``make serve``,
-``make worker GPU=N``); without workers they wait, Scheduled.
+The sweep runs on the ``sweeps`` queue's worker, its experiments on the ``experiments`` queue's
+(``make serve``, ``make worker GPU=N``); without workers they wait, Scheduled.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import re
@@ -45,10 +43,16 @@ from prefect.runtime import task_run as this_task_run
 from prefect.states import Cancelled, Cancelling
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows import checkout, report
-from flows.deploy import EXPERIMENT
-from flows.pipeline import check_overrides, retry_only_transient, run_logger
-from ganpipe.params import ParamsError
+from flows import clone
+from flows.pipeline import (
+    retry_only_transient,
+    run_logger,
+)
+from ganpipe.overrides import ParamsError, validate_overrides
+from reports import ranking as report
+
+#: The deployment a sweep runs each experiment as (prefect.yaml).
+EXPERIMENT = "ganpipe-pipeline/experiment"
 
 #: The question this project started from: which update strategy, at which precision.
 DEFAULT_GRID: dict[str, list[Any]] = {
@@ -58,8 +62,6 @@ DEFAULT_GRID: dict[str, list[Any]] = {
 }
 #: Shared by every run of the default sweep: short training (20k images per run).
 DEFAULT_BASE: dict[str, Any] = {"train.kimg": 20}
-#: Grid keys that repeat a setting rather than define one; the summary averages over them.
-REPEAT_KEYS = ("seed",)
 
 
 def plan_runs(
@@ -68,38 +70,39 @@ def plan_runs(
     """Experiment name -> grid values, one per combination, in grid order.
 
     Raises:
-        ValueError: an empty grid or an empty list of values.
+        ParamsError: an empty grid or an empty list of values.
     """
-    if not grid:
-        raise ValueError("grid is empty; give at least one key with a list of values")
+    if not isinstance(grid, dict) or not grid:
+        raise ParamsError("grid", [("grid", "give a mapping of params keys to lists of values")])
+    if not isinstance(base, dict):
+        raise ParamsError("base", [("base", "give a mapping of params keys to values")])
     empty = [key for key, values in grid.items() if not isinstance(values, list) or not values]
     if empty:
-        raise ValueError(f"grid values must be non-empty lists; fix {', '.join(empty)}")
+        raise ParamsError("grid", [(str(key), "needs a non-empty list of values") for key in empty])
     runs = {}
     for combo in itertools.product(*grid.values()):
         settings = dict(zip(grid, combo, strict=True))
         slug = "-".join(re.sub(r"[^A-Za-z0-9_]+", "_", str(v)) for v in combo)
-        runs[f"{sweep_name}-{slug}"] = settings
+        runs[clone.check_name("experiment", f"{sweep_name}-{slug}"[:100])] = settings
     return runs
 
 
-@task(task_run_name="validate grid")
 def validate_runs(
-    project: str, commit: str, planned: dict[str, dict[str, Any]], base: dict[str, Any]
+    params_text: str, planned: dict[str, dict[str, Any]], base: dict[str, Any]
 ) -> dict[str, dict[str, Any]]:
     """Validate every combination as the pipeline flow would; return name -> overrides.
 
     Raises:
-        ValueError: listing every invalid combination and its problems; nothing runs.
+        ParamsError: listing every invalid combination and its problems; nothing runs.
     """
     valid, problems = {}, []
     for name, settings in planned.items():
         try:
-            valid[name] = check_overrides.fn(project, commit, {**base, **settings}, name)
-        except (ParamsError, ValueError) as exc:
-            problems.append(f"{name}: {exc}")
+            valid[name] = validate_overrides(params_text, {**base, **settings}, name)
+        except ParamsError as exc:
+            problems.append((name, str(exc)))
     if problems:
-        raise ValueError("invalid sweep combinations:\n" + "\n".join(problems))
+        raise ParamsError("sweep grid", problems)
     return valid
 
 
@@ -149,14 +152,10 @@ def experiment_result(client: SyncPrefectClient, run: FlowRun) -> dict[str, Any]
             key=ArtifactFilterKey(any_=["pipeline-metrics"]),
         )
     )
-    rows = json.loads(found[0].data) if found else []
-    metrics: dict[str, dict[str, Any]] = {}
-    for row in rows:
-        if row["kind"] == "metric":
-            metrics.setdefault(row["source"], {})[row["key"]] = row["value"]
+    metrics, ran_on = report.read_run_rows(json.loads(found[0].data) if found else [])
     return {
         "metrics_files": metrics,
-        "ran_on": {row["key"]: row["value"] for row in rows if row["kind"] == "run"},
+        "ran_on": ran_on,
         "flow_run": str(run.id),
         "started": run.start_time.isoformat() if run.start_time else None,
         "ended": run.end_time.isoformat() if run.end_time else None,
@@ -177,7 +176,7 @@ def run_point(name: str, overrides: dict[str, Any], commit: str, key: str) -> di
     attempt = this_task_run.run_count or 1
     run = run_deployment(
         EXPERIMENT,
-        parameters={"overrides": overrides, "exp_name": name, "commit": commit, "stage_retries": 0},
+        parameters={"overrides": overrides, "exp_name": name, "commit": commit},
         flow_run_name=name,
         timeout=0,
         idempotency_key=f"{key}:{name}:{attempt}",
@@ -189,26 +188,18 @@ def run_point(name: str, overrides: dict[str, Any], commit: str, key: str) -> di
     with get_client(sync_client=True) as client:
         while not (run := client.read_flow_run(run.id)).state.is_final():
             if _stopping.wait(POLL_S):
-                raise checkout.ExperimentFailed(name, "cancelled", "the sweep was cancelled")
+                raise clone.ExperimentFailed(name, "cancelled", "the sweep was cancelled")
         if run.state.is_completed():
             return experiment_result(client, run)
     message = (run.state.message or "").removeprefix("Flow run encountered an exception: ")
-    raise checkout.ExperimentFailed(name, run.state.type.value.lower(), message)
+    raise clone.ExperimentFailed(name, run.state.type.value.lower(), message)
 
 
-def report_file(project: Path, report_path: str) -> Path:
-    """``report_path`` resolved inside ``project``.
-
-    Raises:
-        ValueError: an absolute path, or one that leaves the project.
-    """
-    path = (project / report_path).resolve()
-    if Path(report_path).is_absolute() or not path.is_relative_to(project.resolve()):
-        raise ValueError(
-            f"report_path={report_path!r} must be a path inside the project, relative to it "
-            "(e.g. reports/sweep.md)"
-        )
-    return path
+def report_folder(root: Path) -> Path | None:
+    """``reports/sweeps`` of the project the clone ``root`` came from, if that is a working
+    tree on this machine; None otherwise (a team's git remote: the artifacts only)."""
+    origin = Path(clone.run(["git", "remote", "get-url", "origin"], root).strip())
+    return origin / "reports" / "sweeps" if (origin / ".git").exists() else None
 
 
 @task(task_run_name="publish report")
@@ -217,57 +208,20 @@ def publish_report(
     found: dict[str, dict[str, Any]],
     metric: str,
     higher_is_better: bool,
-    report_path: str,
+    folder: Path,
+    sweep_name: str,
     context: dict[str, Any],
 ) -> dict[str, Any]:
-    """Write the report (markdown, PNG plot, JSON) and publish it as Prefect artifacts."""
+    """Write the report (markdown, PNG plot, JSON) as ``folder/NAME.*`` and publish it as
+    Prefect artifacts."""
     failed = [n for n, exp in found.items() if exp.get("state") != "success"]
-    runs = report.collect_runs(planned, found, metric)
-    keys = list(next(iter(planned.values())))
-    group_keys = [k for k in keys if k not in REPEAT_KEYS]
-    groups = report.group_runs(runs, group_keys, higher_is_better)
-    perf = [k for k in report.PERF_KEYS if any(k in r.perf for r in runs)]
-    panels = [("metric", f"{metric} ({'higher' if higher_is_better else 'lower'} is better)")]
-    panels += [(k, report.PERF_TITLES[k]) for k in perf]
-
-    md_path = Path(report_path)
-    md_path.parent.mkdir(parents=True, exist_ok=True)
-    png_path = report.draw_plot(md_path.with_suffix(".png"), groups, panels)
-    title = "Which update strategy? Sweep report" if "train.strategy" in keys else "Sweep report"
-    markdown = report.render_markdown(
-        title, runs, group_keys, metric, higher_is_better, context, png_path.name
-    )
-    md_path.write_text(markdown, encoding="utf-8")
-    ranked = report.rank_runs(runs, higher_is_better)
-    table = [
-        {
-            "rank": i,
-            "experiment": r.name,
-            **r.settings,
-            metric: r.metric,
-            **{report.PERF_TITLES[k]: r.perf.get(k) for k in perf},
-            "state": r.state,
-            "worker": (found.get(r.name, {}).get("ran_on") or {}).get("worker"),
-            "cuda_visible_devices": (found.get(r.name, {}).get("ran_on") or {}).get(
-                "cuda_visible_devices"
-            ),
-            "host": (found.get(r.name, {}).get("ran_on") or {}).get("host"),
-            "started": found.get(r.name, {}).get("started"),
-            "ended": found.get(r.name, {}).get("ended"),
-            "error": r.error,
-        }
-        for i, r in enumerate(ranked, 1)
-    ]
-    md_path.with_suffix(".json").write_text(
-        json.dumps({"context": context, "metric": metric, "runs": table}, indent=2) + "\n"
+    md_path = folder / f"{sweep_name}.md"
+    markdown, table = report.write_sweep_report(
+        md_path, planned, found, metric, higher_is_better, context
     )
     create_table_artifact(table, key="sweep-ranking", description=f"Sweep runs ranked by {metric}")
-    create_markdown_artifact(
-        markdown.replace(f"]({png_path.name})", f"](file://{png_path})"),
-        key="sweep-report",
-        description=f"Sweep report, also in {md_path}",
-    )
-    return {"report": str(md_path), "plot": str(png_path), "runs": table, "failed": failed}
+    create_markdown_artifact(markdown, key="sweep-report", description=f"Sweep report ({md_path})")
+    return {"report": str(md_path), "runs": table, "failed": failed}
 
 
 @flow(name="ganpipe-sweep")
@@ -279,7 +233,6 @@ def sweep(
     sweep_name: str | None = None,
     parallel: int = 0,
     retries: int = 0,
-    report_path: str = "reports/sweep.md",
 ) -> dict[str, Any]:
     """Run a grid of DVC experiments and publish their comparison.
 
@@ -289,98 +242,79 @@ def sweep(
         base: overrides shared by every run (default :data:`DEFAULT_BASE`; ``{}`` for none).
         metric: dotted metric key to rank by, looked up in every DVC metrics file.
         higher_is_better: rank descending (e.g. for precision or recall).
-        sweep_name: prefix of the experiment names (default ``sweep-YYYYmmdd-HHMMSS``).
-        parallel: experiments at once (each trains in its own process; mind the CPU threads).
+        sweep_name: the report's name and the experiments' prefix (letters, digits, ``-``,
+            ``_``; default ``sweep-YYYYmmdd-HHMMSS``).
+        parallel: experiments at once (0: all); each trains in its own process.
         retries: new attempts of an experiment whose process was killed.
-        report_path: markdown report, relative to the project; ``.png`` and ``.json`` beside.
     """
     log = run_logger()
-    project = checkout.PROJECT_ROOT
-    md_path = report_file(project, report_path)
-    if parallel < 0:
-        raise ValueError(f"parallel={parallel}: give 0 (all at once) or a positive number")
-    grid = DEFAULT_GRID if grid is None else grid
-    base = DEFAULT_BASE if base is None else base
-    sweep_name = sweep_name or time.strftime("sweep-%Y%m%d-%H%M%S")
-    commit = checkout.resolve_commit(project, None)
-    planned = plan_runs(grid, base, sweep_name)
-    overrides = validate_runs(str(project), commit, planned, base)
-    log.info(
-        "sweep %s: %d experiments at %s on the work pool's workers",
-        sweep_name,
-        len(planned),
-        commit[:7],
-    )
-    key = str(this_flow_run.id or uuid.uuid4())
-    found: dict[str, dict[str, Any]] = {}
-    _stopping.clear()
-    with ThreadPoolTaskRunner(max_workers=parallel or len(overrides)) as runner:
-        point = run_point.with_options(retries=retries)
-        futures = {
-            name: runner.submit(
-                point.with_options(task_run_name=f"experiment {name}"),
-                {"name": name, "overrides": values, "commit": commit, "key": key},
-            )
-            for name, values in overrides.items()
-        }
-        try:
-            for name, future in futures.items():
-                while not future.state.is_final():
-                    # A bounded wait: an unbounded one would not let Prefect's SIGTERM
-                    # handler (the runner cancelling this run) raise until it returned.
-                    future.wait(timeout=1)
-                if future.state.is_completed():
-                    result = future.result()
-                    found[name] = {
-                        "metrics": result["metrics_files"],
-                        "state": "success",
-                        **{k: result[k] for k in ("ran_on", "flow_run", "started", "ended")},
-                    }
-                else:
-                    error = future.state.result(raise_on_failure=False)
-                    found[name] = {
-                        "state": getattr(error, "state", "failed"),
-                        "error": (str(error) or repr(error)).splitlines()[0],
-                    }
-        except BaseException as exc:
-            # Cancelled (the worker's SIGTERM): cancel every experiment run now, before the
-            # task runner waits for its threads on the way out.
-            if not isinstance(exc, Exception):
-                for future in futures.values():
-                    future.wrapped_future.cancel()  # those waiting for a thread never start
-                log.info("sweep cancelled: cancelling %s", ", ".join(cancel_experiments()))
-            raise
-    context = {
-        "sweep": f"`{sweep_name}`, {time.strftime('%Y-%m-%d %H:%M')}",
-        "project commit": f"`{commit[:7]}` (every experiment starts from it)",
-        "grid": f"`{json.dumps(grid)}`",
-        "shared overrides": f"`{json.dumps(base)}`",
-        "where": "the workers of work pool `ganpipe` (column *ran on*)",
-        "experiments": "`dvc exp show`; `dvc exp apply NAME` restores one in the workspace",
-    }
-    result = publish_report(planned, found, metric, higher_is_better, str(md_path), context)
-    if result["failed"]:
-        raise RuntimeError(
-            f"{len(result['failed'])} of {len(planned)} experiments failed "
-            f"({', '.join(result['failed'])}); the report lists why: {result['report']}"
+    root = Path.cwd()
+    with clone.owned(root):
+        if parallel < 0:
+            raise ParamsError("parallel", [("parallel", f"{parallel}: give 0 (all) or more")])
+        grid = DEFAULT_GRID if grid is None else grid
+        base = DEFAULT_BASE if base is None else base
+        sweep_name = clone.check_name(
+            "sweep_name", sweep_name or time.strftime("sweep-%Y%m%d-%H%M%S")
         )
-    return result
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Run the ganpipe sweep flow once.")
-    parser.add_argument("--grid", type=json.loads, default=None, help="JSON: key -> list")
-    parser.add_argument("--base", type=json.loads, default=None, help="JSON: key -> value")
-    parser.add_argument("--metric", default="fid")
-    parser.add_argument("--higher-is-better", action="store_true")
-    parser.add_argument("--name", dest="sweep_name", default=None)
-    parser.add_argument(
-        "--parallel", type=int, default=0, help="most unfinished experiment runs (0: all)"
-    )
-    parser.add_argument("--retries", type=int, default=0, help="attempts after a killed run")
-    parser.add_argument("--report", dest="report_path", default="reports/sweep.md")
-    sweep(**vars(parser.parse_args()))
-
-
-if __name__ == "__main__":
-    main()
+        commit = clone.run(["git", "rev-parse", "HEAD"], root).strip()
+        planned = plan_runs(grid, base, sweep_name)
+        overrides = validate_runs((root / "params.yaml").read_text(), planned, base)
+        log.info("sweep %s: %d experiments at %s", sweep_name, len(planned), commit[:7])
+        key = str(this_flow_run.id or uuid.uuid4())
+        found: dict[str, dict[str, Any]] = {}
+        _stopping.clear()
+        with ThreadPoolTaskRunner(max_workers=parallel or len(overrides)) as runner:
+            point = run_point.with_options(retries=retries)
+            futures = {
+                name: runner.submit(
+                    point.with_options(task_run_name=f"experiment {name}"),
+                    {"name": name, "overrides": values, "commit": commit, "key": key},
+                )
+                for name, values in overrides.items()
+            }
+            try:
+                for name, future in futures.items():
+                    while not future.state.is_final():
+                        # A bounded wait: an unbounded one would not let Prefect's SIGTERM
+                        # handler (the worker cancelling this run) raise until it returned.
+                        future.wait(timeout=1)
+                    if future.state.is_completed():
+                        result = future.result()
+                        found[name] = {
+                            "metrics": result["metrics_files"],
+                            "state": "success",
+                            **{k: result[k] for k in ("ran_on", "flow_run", "started", "ended")},
+                        }
+                    else:
+                        error = future.state.result(raise_on_failure=False)
+                        found[name] = {
+                            "state": getattr(error, "state", "failed"),
+                            "error": (str(error) or repr(error)).splitlines()[0],
+                        }
+            except BaseException as exc:
+                # Cancelled (the worker's SIGTERM): cancel every experiment run now, before the
+                # task runner waits for its threads on the way out.
+                if not isinstance(exc, Exception):
+                    for future in futures.values():
+                        future.wrapped_future.cancel()  # those waiting for a thread never start
+                    log.info("sweep cancelled: cancelling %s", ", ".join(cancel_experiments()))
+                raise
+        context = {
+            "sweep": f"{report.code(sweep_name)}, {time.strftime('%Y-%m-%d %H:%M')}",
+            "project commit": f"`{commit[:7]}` (every experiment starts from it)",
+            "grid": report.code(json.dumps(grid)),
+            "shared overrides": report.code(json.dumps(base)),
+            "where": "the workers of work pool `ganpipe` (column *ran on*)",
+            "experiments": "`dvc exp show`; `dvc exp apply NAME` restores one in the workspace",
+        }
+        folder = report_folder(root) or root / "reports" / "sweeps"
+        result = publish_report(
+            planned, found, metric, higher_is_better, folder, sweep_name, context
+        )
+        if result["failed"]:
+            raise RuntimeError(
+                f"{len(result['failed'])} of {len(planned)} experiments failed "
+                f"({', '.join(result['failed'])}); the report lists why: {result['report']}"
+            )
+        return result

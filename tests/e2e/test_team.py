@@ -1,6 +1,8 @@
 """Beyond one machine, on loopback: a real PostgreSQL started here, a Prefect server on it with
 credentials, the deployments of a temporary clone, and two process workers that stand for two
-GPUs (``CUDA_VISIBLE_DEVICES`` 0 and 1; training runs on the CPU, which ignores it).
+GPUs (``CUDA_VISIBLE_DEVICES`` 0 and 1; training runs on the CPU, which ignores it). As on a
+team's machines, the workers have no checkout of the project and share no DVC cache with it:
+every run clones the team's git remote and pulls from, and pushes to, its DVC remote.
 
 One database, server and pair of workers for the module; the tests run in file order. A
 "machine that goes away" is a worker killed with everything it started (SIGKILL).
@@ -25,11 +27,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows import checkout, deploy, service
+from flows import service
 from tests.e2e.conftest import copy_project
 from tests.e2e.test_flows_served import (
     client,
     logs,
+    no_clone_left,
     processes_in,
     request,
     start_run,
@@ -38,6 +41,8 @@ from tests.e2e.test_flows_served import (
 from tests.helpers import experiments, sh
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("team")]
+
+PIPELINE, EXPERIMENT, SWEEP = service.DEPLOYMENTS.values()
 
 #: Seconds without a heartbeat after which the server marks a flow run Crashed (two missed
 #: heartbeats: one late heartbeat on a loaded machine must not crash a healthy run).
@@ -136,54 +141,70 @@ def sql(url: str, query: str):
 
 
 @pytest.fixture(scope="module")
-def project(tiny_baseline, tmp_path_factory) -> Path:
-    return copy_project(tiny_baseline, tmp_path_factory.mktemp("team") / "clone")
+def remotes(tmp_path_factory) -> Path:
+    """The team's git remote (``git``, bare) and DVC remote (``dvc``)."""
+    return tmp_path_factory.mktemp("remotes")
 
 
 @pytest.fixture(scope="module")
-def team(project, postgres, tmp_path_factory):
-    """Server on PostgreSQL + deployments + the sweeps' worker + two GPU workers."""
+def project(tiny_baseline, remotes, tmp_path_factory) -> Path:
+    """A user's clone whose commit names the team's DVC remote, pushed to both remotes."""
+    root = copy_project(tiny_baseline, tmp_path_factory.mktemp("team") / "clone")
+    sh(["git", "init", "-q", "--bare", "-b", "main", str(remotes / "git")], root)
+    sh(["git", "remote", "add", "origin", str(remotes / "git")], root)
+    sh(["dvc", "remote", "add", "-d", "shared", str(remotes / "dvc")], root)
+    sh(["git", "commit", "-qam", "the team's DVC remote"], root)
+    sh(["git", "push", "-q", "origin", "HEAD:refs/heads/main"], root)
+    sh(["dvc", "push", "-q"], root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("team-runs")
+
+
+@pytest.fixture(scope="module")
+def team(project, remotes, postgres, runs_dir, tmp_path_factory):
+    """Server on PostgreSQL + deployments + the sweeps' worker + two GPU workers, whose runs
+    clone the team's git remote."""
     state_dir = tmp_path_factory.mktemp("state")
-    quick = {"PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "1"}
     env = service.start(
         state_dir,
         service.free_port(),
-        ["--pipeline", "off", "--sweep", "off", "--crash-after", str(CRASH_AFTER_S)],
-        extra_env=quick,
+        {"pipeline": "off", "sweep": "off"},
         project=project,
+        repo=str(remotes / "git"),
         database_url=postgres,
         local_worker=False,
+        crash_after_s=CRASH_AFTER_S,
+        extra_env=QUICK | {"TMPDIR": str(runs_dir)},
     )
     try:
         for name, gpu in GPUS.items():
-            start_gpu_worker(state_dir, env, name, gpu, quick, project)
+            start_gpu_worker(state_dir, env, name, gpu, runs_dir)
         yield env, state_dir
     finally:
         service.stop(state_dir)
 
 
-def start_gpu_worker(state_dir, env, name, gpu, extra_env, project) -> None:
-    service.start_worker(
-        state_dir,
-        env,
-        service.EXPERIMENTS,
-        1,
-        gpu=gpu,
-        name=name,
-        extra_env=extra_env,
-        project=project,
-    )
+QUICK = {"PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "1"}
+
+
+def start_gpu_worker(state_dir, env, name, gpu, runs_dir) -> None:
+    extra = QUICK | {"TMPDIR": str(runs_dir)}
+    service.start_worker(state_dir, env, service.EXPERIMENTS, 1, gpu, name, extra)
 
 
 def sweep_parameters(name: str, grid: dict, base: dict, retries: int = 0) -> dict:
-    return {
-        "grid": grid,
-        "base": base,
-        "metric": "loss.d",
-        "sweep_name": name,
-        "retries": retries,
-        "report_path": f"reports/{name}.md",
-    }
+    return {"grid": grid, "base": base, "metric": "loss.d", "sweep_name": name, "retries": retries}
+
+
+def ranking(env: dict, run_id) -> list[dict]:
+    """The sweep's ranking table, as any machine reads it: a Prefect artifact."""
+    from tests.e2e.test_flows_served import artifacts
+
+    return json.loads(artifacts(env, run_id)["sweep-ranking"].data)
 
 
 def children(env: dict, run_id) -> list:
@@ -209,14 +230,15 @@ def test_the_server_runs_on_postgres_and_wants_credentials(team, postgres):
     assert not (state_dir / "prefect" / "prefect.db").exists()  # no SQLite on the side
 
 
-def test_a_sweep_spreads_over_two_workers_and_each_run_records_where_it_ran(team, project):
+def test_a_sweep_spreads_over_two_workers_and_each_run_records_where_it_ran(
+    team, project, runs_dir
+):
     env, _ = team
     grid = {"train.strategy": ["d_first_detach", "g_first_detach"], "train.lr_d": [2e-4, 1e-3]}
-    run = wait_final(env, start_run(env, deploy.SWEEP, sweep_parameters("two", grid, SHORT)).id)
+    run = wait_final(env, start_run(env, SWEEP, sweep_parameters("two", grid, SHORT)).id)
     assert run.state.is_completed(), run.state.message + logs(env, run.id)
 
-    result = json.loads((project / "reports/two.json").read_text())
-    rows = result["runs"]
+    rows = ranking(env, run.id)
     assert len(rows) == 4 and {r["state"] for r in rows} == {"success"}
     losses = [r["loss.d"] for r in rows]
     assert losses == sorted(losses) and all(isinstance(v, float) for v in losses)
@@ -225,14 +247,17 @@ def test_a_sweep_spreads_over_two_workers_and_each_run_records_where_it_ran(team
     assert {r["worker"] for r in rows} == set(GPUS)
     spans = sorted((r["started"], r["ended"]) for r in rows)
     assert any(b[0] < a[1] for a, b in itertools.pairwise(spans)), spans  # two at once
-    markdown = (project / "reports/two.md").read_text()
+    from tests.e2e.test_flows_served import artifacts
+
+    markdown = artifacts(env, run.id)["sweep-report"].data
     assert "| 1 | " in markdown and "gpu0, CUDA_VISIBLE_DEVICES=0" in markdown
-    found = experiments(project)
+    sh(["dvc", "exp", "pull", "origin", *(row["experiment"] for row in rows)], project)
+    found = experiments(project)  # in the user's clone, from the team's remotes
     for row in rows:
         assert found[row["experiment"]]["params"]["train"]["strategy"] == row["train.strategy"]
     runs = children(env, run.id)
     assert len(runs) == 4 and all(r.state.is_completed() for r in runs)
-    assert not list((project / checkout.CHECKOUTS).glob("*"))
+    no_clone_left(runs_dir)
 
 
 def descendants(pid: int) -> list[int]:
@@ -254,17 +279,17 @@ def worker_of(pid: int) -> str:
     return next(e.split(b"=", 1)[1].decode() for e in environ if e.startswith(b"GANPIPE_WORKER="))
 
 
-def test_a_worker_that_dies_crashes_its_experiment_and_the_sweep_reports_it(team, project):
+def test_a_worker_that_dies_crashes_its_experiment_and_the_sweep_reports_it(team, runs_dir):
     env, state_dir = team
     grid = {"train.lr_g": [3e-4, 4e-4]}
     base = {"seed": 1, "train.kimg": 6}
-    started = start_run(env, deploy.SWEEP, sweep_parameters("lost", grid, base))
+    started = start_run(env, SWEEP, sweep_parameters("lost", grid, base))
     deadline = time.monotonic() + 300
-    while not (training := processes_in(project, "stages.train", run="lost")):
+    while not (training := processes_in(runs_dir, "stages.train")):
         assert time.monotonic() < deadline, logs(env, started.id)
         time.sleep(0.2)
     victim = worker_of(training[0])
-    tree = descendants(int((state_dir / service.WORKERS / f"{victim}.pid").read_text()))
+    tree = descendants(int((state_dir / "workers" / f"{victim}.pid").read_text()))
     for pid in tree:  # the machine goes away: the worker and all it started, at once
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -273,34 +298,35 @@ def test_a_worker_that_dies_crashes_its_experiment_and_the_sweep_reports_it(team
         run = wait_final(env, started.id, timeout_s=CRASH_AFTER_S + 240)
         crashed_after_s = time.monotonic() - killed_at
     finally:
-        start_gpu_worker(state_dir, env, victim, GPUS[victim], {}, project)
+        start_gpu_worker(state_dir, env, victim, GPUS[victim], runs_dir)
     assert run.state.is_failed(), run.state  # the sweep ends, and says an experiment failed
     assert "1 of 2 experiments failed" in run.state.message
-    rows = {
-        r["experiment"]: r for r in json.loads((project / "reports/lost.json").read_text())["runs"]
-    }
+    rows = {r["experiment"]: r for r in ranking(env, run.id)}
     states = sorted(r["state"] for r in rows.values())
     assert states == ["crashed", "success"], rows
     lost = next(r for r in rows.values() if r["state"] == "crashed")
     assert "no heartbeat" in lost["error"]
     done = next(r for r in rows.values() if r["state"] == "success")
     assert done["worker"] != victim
-    notes = (project / "reports/lost.md").read_text()
+    from tests.e2e.test_flows_served import artifacts
+
+    notes = artifacts(env, run.id)["sweep-report"].data
     assert f"`{lost['experiment']}` crashed" in notes
     # bounded: the crash window after the last heartbeat, plus the other run's remainder
     assert crashed_after_s < CRASH_AFTER_S + 120, crashed_after_s
-    assert not processes_in(project, run="lost")
+    assert not processes_in(runs_dir, "stages.train")
 
 
-def test_cancelling_a_sweep_cancels_every_experiment_run(team, project):
+def test_cancelling_a_sweep_cancels_every_experiment_run(team, project, runs_dir):
     from prefect.states import Cancelling
 
     env, _ = team
+    known = set(runs_dir.glob("*prefect"))  # left by the worker killed before
     started = start_run(
-        env, deploy.SWEEP, sweep_parameters("stopped", {"train.lr_g": [3e-4, 4e-4, 5e-4]}, LONG)
+        env, SWEEP, sweep_parameters("stopped", {"train.lr_g": [3e-4, 4e-4, 5e-4]}, LONG)
     )
     deadline = time.monotonic() + 300
-    while len(processes_in(project, "stages.train", run="stopped")) < 2:  # both workers busy
+    while len(processes_in(runs_dir, "stages.train")) < 2:  # both workers busy
         assert time.monotonic() < deadline, logs(env, started.id)
         time.sleep(0.2)
     with client(env) as c:
@@ -315,36 +341,33 @@ def test_cancelling_a_sweep_cancels_every_experiment_run(team, project):
         time.sleep(1)
     assert len(children(env, run.id)) == 3
     deadline = time.monotonic() + 60
-    while processes_in(project, run="stopped"):
+    while processes_in(runs_dir):
         assert time.monotonic() < deadline, "a training process still runs after the cancel"
         time.sleep(0.5)
-    assert not [name for name in experiments(project) if name.startswith("stopped")]
+    no_clone_left(runs_dir, timeout_s=90, known=known)
+    listed = sh(["dvc", "exp", "list", "--name-only", "origin"], project).stdout
+    assert "stopped" not in listed
 
 
 def test_an_experiment_travels_to_another_clone_through_the_remotes(team, project, tmp_path):
-    """Clone A (the served project) pushes; clone B pulls, lists, applies, restores."""
+    """A worker without the project runs an experiment; the user's clone lists and applies
+    it, and another clone restores its outputs from the DVC remote without training."""
     env, _ = team
-    remotes = tmp_path / "remotes"
-    sh(["git", "init", "-q", "--bare", str(remotes / "git")], tmp_path)
-    sh(["git", "remote", "add", "origin", str(remotes / "git")], project)
-    sh(["git", "push", "-q", "origin", "HEAD:refs/heads/main"], project)
-    sh(["dvc", "remote", "add", "--local", "-d", "shared", str(remotes / "dvc")], project)
-    sh(["dvc", "config", "--local", "exp.auto_push", "true"], project)
-    sh(["dvc", "config", "--local", "exp.git_remote", "origin"], project)
     overrides = {"train.strategy": "g_first_detach", "train.lr_d": 5e-4}
     run = wait_final(
-        env,
-        start_run(env, deploy.EXPERIMENT, {"overrides": overrides, "exp_name": "travels"}).id,
+        env, start_run(env, EXPERIMENT, {"overrides": overrides, "exp_name": "travels"}).id
     )
     assert run.state.is_completed(), run.state.message + logs(env, run.id)
+    sh(["dvc", "exp", "pull", "origin", "travels"], project)
     metrics_a = experiments(project)["travels"]["metrics"]
+    assert metrics_a["metrics/train/metrics.json"]
 
     other = tmp_path / "b"
-    sh(["git", "clone", "-q", "-b", "main", str(remotes / "git"), str(other)], tmp_path)
-    sh(["dvc", "remote", "add", "--local", "-d", "shared", str(remotes / "dvc")], other)
+    remote = sh(["git", "remote", "get-url", "origin"], project).stdout.strip()
+    sh(["git", "clone", "-q", "-b", "main", remote, str(other)], tmp_path)
     sh(["dvc", "exp", "pull", "origin", "travels"], other)
     shown = experiments(other)["travels"]
-    assert shown["metrics"] == metrics_a and shown["metrics"]["metrics/train/metrics.json"]
+    assert shown["metrics"] == metrics_a
     assert shown["params"]["train"]["strategy"] == "g_first_detach"
 
     sh(["dvc", "exp", "apply", "travels"], other)

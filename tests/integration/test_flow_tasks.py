@@ -1,12 +1,12 @@
-"""The flows' building blocks on real (tiny) git + DVC projects, without Prefect: a run's
-checkout, its params, its stages, its experiment record, and what a kill leaves behind."""
+"""A flow run's building blocks on real (tiny) git + DVC projects, without Prefect: a fresh
+clone, its params, ``dvc exp run`` and ``dvc exp push`` back to the project, its data, and
+what a kill leaves behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -16,17 +16,21 @@ import pytest
 import yaml
 from prefect.states import Failed
 
-from flows import checkout
-from flows.checkout import DvcCommandError
-from flows.pipeline import retry_only_transient, run_stage
-from ganpipe.params import read_yaml
+from flows import clone
+from flows.clone import DvcCommandError
+from flows.pipeline import retry_only_transient
+from ganpipe.params import ParamsError, read_yaml
 from tests.helpers import experiments, sh
 
-FAIL = "import sys; print('error: widget.size=3 is too big; use 2', file=sys.stderr); sys.exit(2)"
 #: The stage writes the value it read (PyYAML, YAML 1.1, as a stage would) as JSON.
 ECHO = (
     "import json, time, yaml; v = yaml.safe_load(open('params.yaml'))['value']; "
     "time.sleep(float(open('delay').read())); json.dump({'value': v}, open('out.json', 'w'))"
+)
+#: Fails like our stages do (an ``error:`` line, a non-zero exit) when the value is "boom".
+CHECK = (
+    "import sys, yaml; v = yaml.safe_load(open('params.yaml'))['value']; "
+    "v == 'boom' and sys.exit('error: value=boom is too big; use 2')"
 )
 
 #: Values that a string grammar or a careless dump would change on the way to the stage.
@@ -60,7 +64,7 @@ EXACT_VALUES = [
 
 @pytest.fixture
 def project(tmp_path) -> Path:
-    """A committed git + DVC project: ``echo`` writes its param, ``broken`` fails like ours."""
+    """A committed git + DVC project whose stages write and check its param."""
     stages = {
         "echo": {
             "cmd": f'{sys.executable} -c "{ECHO}"',
@@ -68,7 +72,7 @@ def project(tmp_path) -> Path:
             "params": ["value"],
             "outs": ["out.json"],
         },
-        "broken": {"cmd": f'{sys.executable} -c "{FAIL}"'},
+        "check": {"cmd": f'{sys.executable} -c "{CHECK}"', "params": ["value"]},
     }
     root = tmp_path / "project"
     root.mkdir()
@@ -77,7 +81,7 @@ def project(tmp_path) -> Path:
     (root / "delay").write_text("0")
     sh(["git", "init", "-q", "-b", "main"], root)
     sh([sys.executable, "-m", "dvc", "init", "-q"], root)
-    sh([sys.executable, "-m", "dvc", "repro", "echo"], root)
+    sh([sys.executable, "-m", "dvc", "repro"], root)
     sh(["git", "add", "-A"], root)
     sh(["git", "commit", "-qm", "base"], root)
     return root
@@ -92,29 +96,25 @@ def snapshot(root: Path) -> dict[str, bytes]:
     }
 
 
-def run_experiment(project: Path, overrides: dict, name: str) -> str:
-    """What the pipeline flow does, without Prefect: checkout, params, stage, record."""
-    base = checkout.resolve_commit(project, None)
-    with checkout.checkout(project, base, name) as root:
-        checkout.write_params(root / "params.yaml", overrides)
-        assert run_stage.fn(str(root), "echo") == "ran"
-        checkout.record_experiment(root, base, name, f"test {name}")
-    return base
+def fresh_clone(project: Path, commit: str | None = None) -> tuple[Path, bool]:
+    """What the deployments' git_clone pull step and the flow's first step make."""
+    root = project.parent / f"clone-{time.monotonic_ns()}"
+    sh(["git", "clone", "-q", str(project), str(root)], project.parent)
+    return root, clone.prepare(root, commit, print)[1]
 
 
-def shown(project: Path) -> dict:
-    return experiments(project)
+def make(project: Path, overrides: dict, name: str) -> tuple[Path, dict]:
+    root, shared = fresh_clone(project)
+    return root, clone.make_experiment(root, name, overrides, shared, print)
 
 
-def test_an_experiment_is_made_in_a_checkout_and_recorded_in_the_project(project):
+def test_an_experiment_is_made_in_a_clone_and_pushed_to_the_project(project):
     before = snapshot(project)
-    base = run_experiment(project, {"value": 7}, "seven")
+    root, stages = make(project, {"value": 7}, "seven")
+    assert stages == {"echo": "ran", "check": "ran"}
     assert snapshot(project) == before  # the workspace is untouched
-    assert sh(["git", "worktree", "list"], project).stdout.count("\n") == 1
-    assert not list((project / checkout.CHECKOUTS).glob("*"))
-    exp = shown(project)["seven"]
-    assert exp["params"] == {"value": 7}
-    assert checkout.experiment_exists(project, base, "seven")
+    assert experiments(project)["seven"]["params"] == {"value": 7}
+    assert "seven" in clone.experiment_names(root)
     # `dvc exp apply` restores it from the shared cache, like any DVC experiment
     sh(["dvc", "exp", "apply", "seven"], project)
     assert json.loads((project / "out.json").read_text()) == {"value": 7}
@@ -122,53 +122,50 @@ def test_an_experiment_is_made_in_a_checkout_and_recorded_in_the_project(project
 
 
 def test_unchanged_stages_come_from_the_shared_run_cache(project):
-    base = checkout.resolve_commit(project, None)
-    with checkout.checkout(project, base, "again") as root:
-        assert run_stage.fn(str(root), "echo") == "cached"
-        assert json.loads((root / "out.json").read_text()) == {"value": 0}
-
-
-def test_an_experiment_name_is_taken_once(project):
-    base = run_experiment(project, {"value": 1}, "once")
-    taken = pytest.raises(ValueError, match="exp_name='once'.*dvc exp remove once")
-    with checkout.checkout(project, base, "once") as root, taken:
-        checkout.record_experiment(root, base, "once", "second")
-    assert shown(project)["once"]["params"] == {"value": 1}
+    root, stages = make(project, {}, "again")
+    assert set(stages.values()) == {"cached"}
+    assert json.loads((root / "out.json").read_text()) == {"value": 0}
 
 
 def test_any_string_reaches_the_stage_unchanged(project):
     """One run for the whole table (each DVC run costs seconds); the params file is checked
     value by value in the unit tests."""
-    base = checkout.resolve_commit(project, None)
-    with checkout.checkout(project, base, "exact") as root:
-        checkout.write_params(root / "params.yaml", {"value": EXACT_VALUES})
-        assert (root / "params.yaml").read_text().startswith("# the value\n")
-        run_stage.fn(str(root), "echo")
-        assert json.loads((root / "out.json").read_text()) == {"value": EXACT_VALUES}
-        lock = read_yaml((root / "dvc.lock").read_text())  # YAML 1.2, as DVC reads it
-        assert lock["stages"]["echo"]["params"]["params.yaml"]["value"] == EXACT_VALUES
+    root, _ = make(project, {"value": EXACT_VALUES}, "exact")
+    assert (root / "params.yaml").read_text().startswith("# the value\n")
+    assert json.loads((root / "out.json").read_text()) == {"value": EXACT_VALUES}
+    lock = read_yaml((root / "dvc.lock").read_text())  # YAML 1.2, as DVC reads it
+    assert lock["stages"]["echo"]["params"]["params.yaml"]["value"] == EXACT_VALUES
+
+
+def test_a_run_starts_from_the_commit_it_is_given(project):
+    first = sh(["git", "rev-parse", "HEAD"], project).stdout.strip()
+    (project / "delay").write_text("0.1")
+    sh(["git", "commit", "-qam", "later"], project)
+    root, _ = fresh_clone(project, first)
+    assert (root / "delay").read_text() == "0"
+    with pytest.raises(ParamsError, match="'nope' is not a commit"):
+        fresh_clone(project, "nope")
 
 
 def test_failing_stage_raises_its_own_message_and_is_not_retried(project):
     with pytest.raises(DvcCommandError) as info:
-        run_stage.fn(str(project), "broken")
-    assert str(info.value).splitlines()[0] == "error: widget.size=3 is too big; use 2"
-    assert "failed to reproduce 'broken'" in str(info.value)
+        make(project, {"value": "boom"}, "boom")
+    assert str(info.value).splitlines()[0] == "error: value=boom is too big; use 2"
+    assert "failed to reproduce 'check'" in str(info.value)
     assert not info.value.transient
     assert retry_only_transient(None, None, Failed(data=info.value)) is False
+    assert "boom" not in experiments(project)
 
 
 def test_a_killed_stage_is_a_transient_failure_and_kill_children_cleans_up(project, monkeypatch):
-    monkeypatch.setattr(checkout, "_stopping", threading.Event())  # set by kill_children
+    monkeypatch.setattr(clone, "_stopping", threading.Event())  # set by kill_children
     (project / "delay").write_text("60")
     sh(["git", "commit", "-qam", "slow"], project)
-    base = checkout.resolve_commit(project, None)
     errors = []
 
     def run():
         try:
-            with checkout.checkout(project, base, "slow") as root:
-                run_stage.fn(str(root), "echo")
+            make(project, {"value": 3}, "slow")
         except DvcCommandError as exc:
             errors.append(exc)
 
@@ -176,59 +173,89 @@ def test_a_killed_stage_is_a_transient_failure_and_kill_children_cleans_up(proje
     started = time.monotonic()
     thread.start()
     deadline = time.monotonic() + 60
-    while not [p for p in checkout._children if "repro" in p.args]:
-        assert time.monotonic() < deadline, "dvc repro never started"
+    while not (started_procs := [p for p in clone._children if "exp" in p.args]):
+        assert time.monotonic() < deadline, "dvc exp run never started"
         time.sleep(0.1)
-    checkout.kill_children()  # what a cancelled flow run does
+    time.sleep(2)  # the stage is running
+    clone.kill_children()  # what a cancelled flow run does
     thread.join(timeout=30)
-    assert not thread.is_alive() and time.monotonic() - started < 40
+    assert not thread.is_alive() and time.monotonic() - started < 60
     assert errors and errors[0].transient
     assert "killed by SIGKILL" in str(errors[0])
     assert retry_only_transient(None, None, Failed(data=errors[0])) is True
-    assert not list((project / checkout.CHECKOUTS).glob("*"))
-    alive = subprocess.run(["pgrep", "-f", str(project)], capture_output=True, text=True)
-    assert alive.stdout.strip() == ""
+    for proc in started_procs:  # the whole process group, stage included, within 10 s
+        deadline = time.monotonic() + 10
+        with pytest.raises(ProcessLookupError):
+            while time.monotonic() < deadline:
+                os.killpg(proc.pid, 0)
+                time.sleep(0.2)
     with pytest.raises(DvcCommandError, match="being cancelled"):  # nothing new starts
-        checkout.run(["dvc", "version"], project)
+        clone.run(["dvc", "version"], project)
 
 
-def test_stale_checkouts_of_dead_runs_are_pruned(project):
-    base = checkout.resolve_commit(project, None)
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    with checkout.checkout(project, base, "stale") as root:
-        (root / ".dvc" / "tmp" / "owner.pid").write_text(f"{dead.pid}\n")
-        stale = root
-        with checkout.checkout(project, base, "fresh") as fresh:
-            assert not stale.exists() and fresh.exists()
-            assert os.getpid() == int((fresh / ".dvc/tmp/owner.pid").read_text())
-    assert sh(["git", "worktree", "list"], project).stdout.count("\n") == 1
+def test_an_image_folder_tracked_by_dvc_reaches_the_run_and_an_untracked_one_is_named(project):
+    (project / "images").mkdir()
+    (project / "images" / "a.png").write_bytes(b"png")
+    sh(["dvc", "add", "-q", "images"], project)
+    (project / "loose").mkdir()
+    sh(["git", "add", "images.dvc", ".gitignore"], project)
+    sh(["git", "commit", "-qm", "own images"], project)
+    root, shared = fresh_clone(project)
+    assert not (root / "images").exists()
+    clone.restore_data(root, {"data": {"source": "folder", "path": "images"}}, shared)
+    assert (root / "images" / "a.png").read_bytes() == b"png"
+    with pytest.raises(ParamsError, match="'loose' is tracked by neither git nor DVC.*dvc add"):
+        clone.restore_data(root, {"data": {"source": "folder", "path": "loose"}}, shared)
+    with pytest.raises(ParamsError, match="must be a folder inside the project"):
+        clone.restore_data(root, {"data": {"source": "folder", "path": "/etc"}}, shared)
 
 
-def test_a_checkout_being_made_by_a_live_run_is_not_pruned(project):
-    """Two workers start experiments in one project: while one's `git worktree add` fills
-    its folder (no owner.pid yet), the other's prune must leave it alone. It removed it
-    once, and git failed with "unable to create file src/...: No such file or directory"."""
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    folder = project / checkout.CHECKOUTS
-    making = folder / f"exp-a-{os.getpid()}-1"  # this process, as if mid-checkout
-    orphan = folder / f"exp-b-{dead.pid}-1"  # its run was killed before owner.pid
-    for path in (making, orphan):
-        (path / "src").mkdir(parents=True)
-    assert checkout.prune_stale(project) == [orphan]
-    assert making.is_dir() and not orphan.exists()
-    shutil.rmtree(making)
-
-
-def test_a_checkout_runs_its_own_code_not_the_workspace_s(tmp_path):
+def test_a_clone_runs_its_own_code_not_the_workspace_s(tmp_path):
     """An editable install points `import ganpipe` at the user's workspace; a command run in
-    a checkout imports the checkout's copy (the code of the commit the run started from)."""
-    package = tmp_path / "checkout" / "src" / "ganpipe"
+    a clone imports the clone's copy (the code of the commit the run started from)."""
+    package = tmp_path / "clone" / "src" / "ganpipe"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
     show = [sys.executable, "-c", "import ganpipe; print(ganpipe.__file__)"]
-    assert checkout.run(show, tmp_path / "checkout").strip() == str(package / "__init__.py")
+    assert clone.run(show, tmp_path / "clone").strip() == str(package / "__init__.py")
     import ganpipe  # this test session's: the workspace's
 
-    assert checkout.run(show, tmp_path).strip() == ganpipe.__file__
+    assert clone.run(show, tmp_path).strip() == ganpipe.__file__
+
+
+def test_the_run_removes_its_clone_however_it_ends_and_a_cancel_kills_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(clone, "_stopping", threading.Event())  # set by kill_children
+    monkeypatch.chdir(tmp_path)
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "file").write_text("x")
+    with clone.owned(done):  # a run that ends well
+        pass
+    assert not done.exists() and Path.cwd() == tmp_path
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    with pytest.raises(RuntimeError), clone.owned(failed):
+        raise RuntimeError("a stage failed")
+    assert not failed.exists() and not clone._stopping.is_set()  # nothing was killed
+    cancelled = tmp_path / "cancelled"
+    cancelled.mkdir()
+
+    def run():
+        with contextlib.suppress(DvcCommandError):
+            clone.run(["sh", "-c", "sleep 60 & sleep 60; true"], cancelled)
+
+    thread = threading.Thread(target=run)
+    with pytest.raises(KeyboardInterrupt), clone.owned(cancelled):  # the worker's SIGTERM
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not (sleeper := list(clone._children)):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        raise KeyboardInterrupt
+    thread.join(timeout=10)
+    assert not cancelled.exists() and clone._stopping.is_set()
+    deadline = time.monotonic() + 10
+    with pytest.raises(ProcessLookupError):  # the shell and its background sleep
+        while time.monotonic() < deadline:
+            os.killpg(sleeper[0].pid, 0)
+            time.sleep(0.2)

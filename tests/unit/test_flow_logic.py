@@ -1,6 +1,6 @@
 """Flow logic that needs no Prefect server and no DVC run: overrides and the params file
-they become, stage order, errors, retry decisions, the server's credentials, the sweep plan
-and its report."""
+they become, errors, retry decisions, the server's credential file, the sweep plan and its
+report."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ from PIL import Image
 from prefect.states import Failed
 from ruamel.yaml import YAML
 
-from flows import checkout, report, service, sweep
-from flows.checkout import DvcCommandError
-from flows.deploy import parse_schedule
-from flows.pipeline import _parse_set, retry_only_transient
+from flows import clone, service
+from flows.clone import DvcCommandError
+from flows.pipeline import MEASURED_METRICS, retry_only_transient
 from flows.sweep import DEFAULT_GRID, plan_runs, validate_runs
+from ganpipe import overrides as ov
 from ganpipe.params import ParamsError, read_yaml
+from reports import ranking as report
 from tests.conftest import REPO
 from tests.integration.test_flow_tasks import EXACT_VALUES
 
@@ -58,74 +59,17 @@ def write_dvc_yaml(root: Path, stages: dict) -> Path:
 # -- stages ----------------------------------------------------------------------------
 
 
-def test_stage_names_of_this_repository_are_upstream_first():
-    names = checkout.stage_names(REPO / "dvc.yaml")
-    assert names[0] == "prepare"
-    assert names.index("train") < names.index("generate")
-    assert set(names) == set(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"])
-
-
-def test_stage_names_follow_dependencies_not_file_order(tmp_path):
-    path = write_dvc_yaml(
-        tmp_path,
-        {
-            "report": {"cmd": "r", "deps": ["metrics/eval/metrics.json", "samples"]},
-            "evaluate": {
-                "cmd": "e",
-                "deps": ["models/g.pt"],
-                "metrics": ["metrics/eval/metrics.json"],
-            },
-            "generate": {"cmd": "g", "deps": ["models/g.pt"], "outs": ["samples"]},
-            "train": {
-                "cmd": "t",
-                "deps": ["data/train"],
-                "outs": [{"models/g.pt": {"cache": True}}],
-            },
-            "prepare": {"cmd": "p", "outs": ["data/train"]},
-        },
-    )
-    assert checkout.stage_names(path) == ["prepare", "train", "evaluate", "generate", "report"]
-
-
-def test_stage_names_refuse_a_cycle_and_an_empty_file(tmp_path):
-    path = write_dvc_yaml(
-        tmp_path,
-        {
-            "a": {"cmd": "a", "deps": ["y"], "outs": ["x"]},
-            "b": {"cmd": "b", "deps": ["x"], "outs": ["y"]},
-        },
-    )
-    with pytest.raises(ValueError, match="depend on each other"):
-        checkout.stage_names(path)
-    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
-    with pytest.raises(ValueError, match="defines no stages"):
-        checkout.stage_names(tmp_path / "dvc.yaml")
-
-
-def test_stage_outputs_list_samples_and_metrics():
-    outputs = checkout.stage_outputs(REPO / "dvc.yaml")
-    assert "samples/grid.png" in outputs
-    assert "metrics/train/metrics.json" in outputs
-
-
-def test_checkpoints_are_shared_with_a_checkout_as_links(tmp_path):
-    project, path = tmp_path / "project", tmp_path / "checkout"
-    ckpt = project / "checkpoints" / "0123456789abcdef" / "ckpt-000000000320.pt"
-    ckpt.parent.mkdir(parents=True)
-    ckpt.write_bytes(b"state")
-    path.mkdir()
-    checkout.share_checkpoints(project, path)
-    linked = path / ckpt.relative_to(project)
-    assert linked.read_bytes() == b"state" and linked.stat().st_ino == ckpt.stat().st_ino
-    checkout.share_checkpoints(tmp_path / "none", tmp_path / "other")  # nothing to share
-    assert not (tmp_path / "other").exists()
-
-
 def test_measurements_are_no_stage_output_and_the_flows_read_them():
     spec = yaml.safe_load((REPO / "dvc.yaml").read_text())
-    outputs = checkout.stage_outputs(REPO / "dvc.yaml")
+    outputs = [
+        str(next(iter(entry)) if isinstance(entry, dict) else entry)
+        for body in spec["stages"].values()
+        for kind in ("outs", "metrics", "plots")
+        for entry in body.get(kind) or []
+    ]
+    assert "metrics/train/metrics.json" in outputs
     assert not [o for o in outputs if o.startswith(("measurements", "checkpoints"))]
-    assert all(name.startswith("measurements/") for name in checkout.MEASURED_METRICS)
+    assert all(name.startswith("measurements/") for name in MEASURED_METRICS)
     drawn = [f for entry in spec["plots"] for p in entry.values() for f in p["y"]]
     assert [f for f in drawn if "perf" in f] == [
         f"measurements/train/plots/metrics/perf/{k}.tsv"
@@ -138,33 +82,26 @@ def test_measurements_are_no_stage_output_and_the_flows_read_them():
 
 def test_overrides_are_validated_and_normalised():
     overrides = {"train.strategy": "g_first_detach", "train.kimg": 1, "seed": 3}
-    valid = checkout.validate_overrides(PARAMS, overrides)
+    valid = ov.validate_overrides(PARAMS, overrides)
     assert valid == {"train.strategy": "g_first_detach", "train.kimg": 1.0, "seed": 3}
     assert isinstance(valid["train.kimg"], float)
-    assert checkout.validate_overrides(PARAMS, None) == {}
+    assert ov.validate_overrides(PARAMS, None) == {}
 
 
-@pytest.mark.parametrize("name", ["my run", "-x", "a..b", "x.lock", "dot.", "a/b"])
+@pytest.mark.parametrize("name", ["my run", "-x", "a..b", "x.lock", "dot.", "a/b", "x" * 101])
 def test_a_bad_experiment_name_is_refused(name):
-    with pytest.raises(ValueError, match="is not a valid experiment name"):
-        checkout.check_exp_name(name)
-
-
-def test_command_line_overrides_are_read_as_dvc_reads_them():
-    # `--set train.lr_g=1e-3` is a number, as in `dvc exp run -S train.lr_g=1e-3`.
-    assert _parse_set("train.lr_g=1e-3") == ("train.lr_g", 0.001)
-    assert _parse_set("train.strategy=g_first_detach") == ("train.strategy", "g_first_detach")
-    assert _parse_set("devices.gpus=[0, 1]") == ("devices.gpus", [0, 1])
+    with pytest.raises(ParamsError, match="is not a valid name"):
+        clone.check_name("exp_name", name)
 
 
 def test_a_quoted_number_in_an_override_is_refused():
     with pytest.raises(ParamsError, match=r"train.kimg: .*\(got '0.5'\); write the number"):
-        checkout.validate_overrides(PARAMS, {"train.kimg": "0.5"})
+        ov.validate_overrides(PARAMS, {"train.kimg": "0.5"})
 
 
 def test_a_typo_in_an_override_names_the_key_and_the_fix():
     with pytest.raises(ParamsError) as info:
-        checkout.validate_overrides(PARAMS, {"train.batch_sise": 8, "precision": "fp8"})
+        ov.validate_overrides(PARAMS, {"train.batch_sise": 8, "precision": "fp8"})
     message = str(info.value)
     assert "train.batch_sise" in message and "Did you mean train.batch_size" in message
     assert "precision" in message and "fp8" in message
@@ -172,25 +109,25 @@ def test_a_typo_in_an_override_names_the_key_and_the_fix():
 
 def test_an_override_of_a_section_or_inside_a_value_is_refused():
     with pytest.raises(ParamsError, match=r"train: is a section; override single values"):
-        checkout.validate_overrides(PARAMS, {"train": {"kimg": 1}})
+        ov.validate_overrides(PARAMS, {"train": {"kimg": 1}})
     with pytest.raises(ParamsError, match="seed is a value, not a section"):
-        checkout.validate_overrides(PARAMS, {"seed.x": 1})
+        ov.validate_overrides(PARAMS, {"seed.x": 1})
     with pytest.raises(ParamsError, match="dotted params names"):
-        checkout.validate_overrides(PARAMS, {"train kimg": 1})
+        ov.validate_overrides(PARAMS, {"train kimg": 1})
 
 
 def test_cross_section_rules_apply_to_overrides():
     with pytest.raises(ParamsError, match="train.batch_size=63 is not divisible by world size 2"):
-        checkout.validate_overrides(PARAMS, {"train.batch_size": 63, "devices.nproc_per_node": 2})
+        ov.validate_overrides(PARAMS, {"train.batch_size": 63, "devices.nproc_per_node": 2})
 
 
 def test_write_params_keeps_comments_and_layout(tmp_path):
     path = tmp_path / "params.yaml"
     path.write_text(PARAMS)
     overrides = {"train.strategy": "g_first_detach", "train.betas": [0.0, 0.99], "data.path": None}
-    checkout.write_params(path, overrides)
+    ov.write_params(path, overrides)
     after = path.read_text()
-    assert read_yaml(after) == checkout.apply_overrides(read_yaml(PARAMS), overrides)
+    assert read_yaml(after) == ov.apply_overrides(read_yaml(PARAMS), overrides)
     assert (
         '  strategy: "g_first_detach" # d_first_retain | d_first_detach | g_first_detach' in after
     )
@@ -206,7 +143,7 @@ def test_write_params_keeps_comments_and_layout(tmp_path):
 def test_any_string_is_written_so_that_every_yaml_reader_gets_it_back(tmp_path, value):
     path = tmp_path / "params.yaml"
     path.write_text("# a comment\ndata:\n  path: null\n")
-    checkout.write_params(path, {"data.path": value})
+    ov.write_params(path, {"data.path": value})
     text = path.read_text()
     assert yaml.safe_load(text)["data"]["path"] == value  # PyYAML, YAML 1.1
     assert read_yaml(text)["data"]["path"] == value  # ruamel, YAML 1.2, as DVC reads it
@@ -236,7 +173,7 @@ def test_a_held_dvc_lock_and_a_killed_process_are_transient():
 
 def test_a_crash_without_error_lines_keeps_the_last_lines():
     tail = "\n".join(f"line {i}" for i in range(30)) + "\nTraceback ...\nKeyError: 'x'"
-    message = checkout.failure_message(["dvc", "repro"], 1, tail)
+    message = str(DvcCommandError(["dvc", "repro"], 1, tail))
     assert "KeyError: 'x'" in message and "line 0" not in message
 
 
@@ -256,24 +193,42 @@ def test_retry_condition_retries_only_transient_errors(error, retry):
 # -- the local server ------------------------------------------------------------------
 
 
-def test_credentials_are_made_once_and_readable_by_the_owner_only(tmp_path):
-    first = service.credentials(tmp_path)
-    user, password = first.split(":")
+def test_the_credential_file_is_made_once_and_0600_whatever_existed(tmp_path):
+    (tmp_path / "prefect.env").write_text("export OLD=1\n")
+    os.chmod(tmp_path / "prefect.env", 0o644)  # copied between machines by hand
+    first = service.client_env(tmp_path, 4321)
+    user, password = first["PREFECT_API_AUTH_STRING"].split(":")
     assert user == "ganpipe" and len(password) >= 24
-    assert (tmp_path / "prefect-auth").stat().st_mode & 0o777 == 0o600
-    assert service.credentials(tmp_path) == first
-    env = service.server_env(tmp_path, 4321)
-    assert env["PREFECT_SERVER_API_AUTH_STRING"] == env["PREFECT_API_AUTH_STRING"] == first
-    assert env["PREFECT_SERVER_API_HOST"] == "127.0.0.1"
-    assert env["PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS"] == "http://127.0.0.1:4321"
+    assert (tmp_path / "prefect.env").stat().st_mode & 0o777 == 0o600
+    assert tmp_path.stat().st_mode & 0o777 == 0o700
+    again = service.client_env(tmp_path, 4322)
+    assert again["PREFECT_API_AUTH_STRING"] == first["PREFECT_API_AUTH_STRING"]
+    assert service.read_env_file(tmp_path / "prefect.env") == again
+    assert again["PREFECT_API_URL"] == "http://127.0.0.1:4322/api"
+
+
+def test_the_worker_refuses_to_send_the_credential_to_another_server(tmp_path, monkeypatch):
+    import argparse
+
+    monkeypatch.setattr(service, "STATE_DIR", tmp_path)
+    service.client_env(tmp_path, 4321)
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:35555/api")
+    started = []
+    monkeypatch.setattr(service, "start_worker", lambda *a, **k: started.append(a))
+    with pytest.raises(RuntimeError, match="is not the server of"):
+        service.worker_main(argparse.Namespace(gpu=None, limit=1, name=None))
+    assert not started
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4321/api")
+    service.worker_main(argparse.Namespace(gpu="0", limit=1, name=None))
+    assert started[0][1]["PREFECT_API_URL"] == "http://127.0.0.1:4321/api"
 
 
 def test_schedules_parse_cron_interval_and_off():
-    assert parse_schedule("0 2 * * *", "UTC").cron == "0 2 * * *"
-    assert parse_schedule("90", "UTC").interval.total_seconds() == 90
-    assert parse_schedule("off", "UTC") is None
-    with pytest.raises(ValueError, match="5-field cron"):
-        parse_schedule("nightly", "UTC")
+    assert service.schedule_args("0 2 * * *") == ["--cron", "0 2 * * *", "--timezone", "UTC"]
+    assert service.schedule_args("90") == ["--interval", "90"]
+    assert service.schedule_args("off") is None
+    with pytest.raises(ValueError, match="cron string"):
+        service.schedule_args("nightly")
 
 
 # -- sweep -----------------------------------------------------------------------------
@@ -287,24 +242,57 @@ def test_default_grid_is_strategies_by_precision_by_two_seeds():
         "precision": "bf16",
         "seed": 1,
     }
-    with pytest.raises(ValueError, match="non-empty lists; fix seed"):
+    with pytest.raises(ParamsError, match="seed: needs a non-empty list"):
         plan_runs({"seed": []}, {}, "sw")
+    with pytest.raises(ParamsError, match="not a valid name"):
+        plan_runs({"seed": [0]}, {}, "../x")
 
 
-def test_a_bad_combination_stops_the_sweep_before_anything_runs(project):
+def test_a_bad_combination_stops_the_sweep_before_anything_runs():
     planned = plan_runs({"train.loss": ["bce", "wgan_gp"]}, {}, "sw")
-    commit = checkout.resolve_commit(project, None)
-    with pytest.raises(ValueError) as info:
-        validate_runs.fn(str(project), commit, planned, {"train.kimg": 1})
+    with pytest.raises(ParamsError) as info:
+        validate_runs(PARAMS, planned, {"train.kimg": 1})
     assert "sw-wgan_gp" in str(info.value) and "model.norm" in str(info.value)
     assert "sw-bce:" not in str(info.value)
 
 
-@pytest.mark.parametrize("path", ["/etc/passwd", "../outside.md", "reports/../../x.md"])
-def test_a_report_path_outside_the_project_is_refused(tmp_path, path):
-    with pytest.raises(ValueError, match="must be a path inside the project"):
-        sweep.report_file(tmp_path, path)
-    assert sweep.report_file(tmp_path, "reports/s.md") == (tmp_path / "reports/s.md").resolve()
+@pytest.mark.parametrize("path", ["/etc", "../outside", "images/../../x"])
+def test_a_data_path_outside_the_project_is_refused(path):
+    with pytest.raises(ParamsError, match="must be a folder inside the project"):
+        ov.validate_overrides(PARAMS, {"data.source": "folder", "data.path": path})
+    valid = ov.validate_overrides(PARAMS, {"data.source": "folder", "data.path": "img"})
+    assert valid["data.path"] == "img"
+
+
+def test_an_int_keyed_map_is_overridden_in_place(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(PARAMS)
+    ov.write_params(path, ov.validate_overrides(PARAMS, {"model.g_channels.4": 64}))
+    channels = read_yaml(path.read_text())["model"]["g_channels"]
+    assert channels[4] == 64 and "4" not in channels
+
+
+HOSTILE = "x`|\n## injected\n<script>alert(1)</script>|"
+
+
+def test_callers_strings_cannot_break_out_of_the_reports():
+    assert "\n" not in report.code(HOSTILE) and report.code(HOSTILE).count("`") == 2
+    planned = {"s-0": {"train.strategy": HOSTILE}}
+    found = {"s-0": {"state": "failed", "error": HOSTILE}}
+    runs = report.collect_runs(planned, found, HOSTILE)
+    text = report.render_markdown("T", runs, ["train.strategy"], HOSTILE, False, {}, None)
+    assert not [line for line in text.splitlines() if line.startswith(("## injected", "<"))]
+    record = {
+        "experiment": "e",
+        "commit": "0" * 40,
+        "ran_on": {"worker": HOSTILE},
+        "stages": {"train": "ran"},
+        "overrides": {"data.path": HOSTILE},
+        "metrics": {HOSTILE: 1.0},
+    }
+    assert not [
+        line for line in report.run_markdown(record).splitlines() if line.startswith("## inj")
+    ]
 
 
 def exp(metrics: dict, state: str = "success") -> dict:
@@ -338,10 +326,10 @@ def test_report_ranks_by_fid_and_groups_over_seeds(tmp_path):
     assert [g.settings["train.strategy"] for g in groups] == ["b", "a"]
     assert groups[0].mean("metric") == 21.0
     text = report.render_markdown("T", runs, ["train.strategy"], "fid", False, {}, "p.png")
-    assert "| 1 | b | 21 | 20 – 22 | 1,002 | 2/2 |" in text
-    assert "**Best by mean `fid`: b**" in text and "do not overlap" in text
+    assert "| 1 | `b` | 21 | 20 – 22 | 1,002 | 2/2 |" in text
+    assert "**Best by mean `fid`: `b`**" in text and "do not overlap" in text
     assert "`perf.step_ms` is not in the training metrics" in text
-    assert "![fid and step cost per setting](p.png)" in text
+    assert "![the metric and step cost per setting](p.png)" in text
 
 
 def test_report_says_when_the_metric_is_missing_instead_of_failing():
@@ -350,7 +338,7 @@ def test_report_says_when_the_metric_is_missing_instead_of_failing():
     text = report.render_markdown("T", runs, ["train.strategy"], "fid_typo", False, {}, None)
     assert "No finished run has the metric `fid_typo`" in text
     assert "nothing is ranked" in text
-    assert "| — | `s-a-0` | a | 0 | — | 1,000 | success |" in text
+    assert "| — | `s-a-0` | `a` | `0` | — | 1,000 | success |" in text
 
 
 def test_report_shows_step_time_and_memory_and_failures():
@@ -363,8 +351,8 @@ def test_report_shows_step_time_and_memory_and_failures():
     runs = report.collect_runs(planned, found, "fid", {"s-a-1": "error: boom"})
     text = report.render_markdown("T", runs, ["train.strategy"], "fid", False, {}, None)
     assert "step ms mean" in text and "peak memory MB mean" in text
-    assert "| 2 | a | 30 | — | 10 | 100 | 1,000 | 1/2 |" in text
-    assert "`s-a-1` failed: error: boom" in text
+    assert "| 2 | `a` | 30 | — | 10 | 100 | 1,000 | 1/2 |" in text
+    assert "`s-a-1` failed: `error: boom`" in text
     assert "One of them has a single run" in text
 
 
@@ -408,7 +396,7 @@ def test_a_run_measured_with_another_ruler_is_shown_but_never_ranked_or_averaged
     groups = report.group_runs(runs, ["train.strategy"])
     assert groups[0].mean("metric") == 22.0  # s-b-1 alone, not (20 + 22) / 2
     text = report.render_markdown("T", runs, ["train.strategy"], "fid", False, {}, None)
-    assert "| — | `s-b-0` | b | 0 | 20 (other ruler) |" in text
+    assert "| — | `s-b-0` | `b` | `0` | 20 (other ruler) |" in text
     assert "Not ranked: `s-b-0` (bbbbbbbbbbbb/vvvvvvvvvvvv)" in text
     assert "(aaaaaaaaaaaa/vvvvvvvvvvvv)" in text
 
@@ -423,3 +411,21 @@ def test_one_ruler_is_named_and_a_run_without_one_is_flagged():
     text = report.render_markdown("T", runs, ["train.strategy"], "fid", False, {}, None)
     assert "Every run was measured with one ruler (feature network / val split: " in text
     assert "`s-a-1` record no ruler" in text
+
+
+def test_a_runs_table_reads_back_as_its_metrics_and_where_it_ran():
+    files = {"metrics/eval/metrics.json": {"fid": 3.5, "ruler": {"featurenet": "a" * 64}}}
+    params = {"seed": 1, "train": {"kimg": 2.0, "gpus": [0, 1]}}
+    ran_on = {"host": "h", "worker": "w", "cuda_visible_devices": None}
+    rows = report.run_rows(files, params, {"seed": 1}, ran_on)
+    kinds = {row["key"]: row["kind"] for row in rows}
+    assert kinds["seed"] == "param (override)" and kinds["train.kimg"] == "param"
+    assert {
+        "key": "train.gpus",
+        "kind": "param",
+        "source": "params.yaml",
+        "value": "[0, 1]",
+    } in rows
+    metrics, where = report.read_run_rows(rows)
+    assert metrics == {"metrics/eval/metrics.json": {"fid": 3.5, "ruler.featurenet": "a" * 64}}
+    assert where == ran_on

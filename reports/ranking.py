@@ -1,13 +1,17 @@
 """The sweep's comparison: runs ranked by a metric, grouped over seeds, a table and a plot.
 
-Pure functions over the experiments of ``dvc exp show --json`` (see
-:func:`flows.pipeline.publish_run`); no Prefect, no DVC calls, so the report can be
-rebuilt and tested from saved JSON. A metric that no experiment has (the evaluation stage
-not run yet, a typo) is reported as missing, never a crash.
+Pure functions over what each experiment run published (its ``pipeline-metrics`` artifact,
+see :func:`run_rows`, read back by :mod:`flows.sweep`); no Prefect, no DVC
+calls, so the report can be rebuilt and tested from saved JSON (:func:`write_sweep_report`
+writes its three files). A metric that no experiment
+has (the evaluation stage not run yet, a typo) is reported as missing, never a crash. Every
+string a caller chose (grid values, metric names, errors) is shown as a code span
+(:func:`code`), so it cannot add lines, cells or HTML to the markdown.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -15,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flows.checkout import flatten
+from ganpipe.checkpoint import write_bytes_atomic
+from ganpipe.overrides import flatten
 
 #: Train-stage measurements shown beside the ranking metric (dotted keys of its metrics).
 PERF_KEYS = {
@@ -23,6 +28,8 @@ PERF_KEYS = {
     "peak_memory_mb": "perf.peak_memory_mb",
     "images_per_s": "perf.images_per_s",
 }
+#: Grid keys that repeat a setting rather than define one; the summary averages over them.
+REPEAT_KEYS = ("seed",)
 PERF_TITLES = {
     "step_ms": "step ms",
     "peak_memory_mb": "peak memory MB",
@@ -174,6 +181,13 @@ def group_runs(
     return sorted(groups.values(), key=lambda g: _order(g.mean("metric"), higher_is_better))
 
 
+def code(value: Any) -> str:
+    """``value`` as one markdown code span: a caller's string cannot break out of it, start
+    a line, close a table cell or inject HTML."""
+    text = " ".join(str(value).split()).replace("`", "'").replace("|", "\\|")
+    return f"`{text}`"
+
+
 def _fmt(value: float | None, digits: int = 4) -> str:
     if value is None:
         return "—"
@@ -188,14 +202,14 @@ def verdict(groups: Sequence[Group], metric: str, higher_is_better: bool) -> str
     """One paragraph: the best group, the runner-up, and whether seeds separate them."""
     ranked = [g for g in groups if g.values("metric")]
     if not ranked:
-        return f"No run has the metric `{metric}`, so nothing is ranked (see Notes)."
+        return f"No run has the metric {code(metric)}, so nothing is ranked (see Notes)."
 
     def label(group: Group) -> str:
-        return " + ".join(f"{v}" for v in group.settings.values()) or "all runs"
+        return " + ".join(code(v) for v in group.settings.values()) or "all runs"
 
     best = ranked[0]
     text = (
-        f"**Best by mean `{metric}`: {label(best)}** "
+        f"**Best by mean {code(metric)}: {label(best)}** "
         f"({_fmt(best.mean('metric'))} over {len(best.values('metric'))} run(s))."
     )
     if len(ranked) > 1:
@@ -231,15 +245,15 @@ def render_markdown(
     direction = "higher is better" if higher_is_better else "lower is better"
     lines = [f"# {title}", ""]
     lines += [f"- {key}: {value}" for key, value in context.items()]
-    lines += [f"- ranked by `{metric}` ({direction})", ""]
+    lines += [f"- ranked by {code(metric)} ({direction})", ""]
 
     lines += ["## Summary (mean over seeds)", ""]
-    head = [*group_keys, f"{metric} mean", f"{metric} min – max"]
+    head = [*map(code, group_keys), f"{code(metric)} mean", f"{code(metric)} min – max"]
     head += [f"{PERF_TITLES[k]} mean" for k in perf_cols] + ["runs"]
     lines += ["| rank | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
     for i, group in enumerate(groups, 1):
         ok = sum(r.state == "success" for r in group.runs)
-        cells = [str(v) for v in group.settings.values()]
+        cells = [code(v) for v in group.settings.values()]
         cells += [_fmt(group.mean("metric")), _range(group.values("metric"))]
         cells += [_fmt(group.mean(k)) for k in perf_cols]
         cells += [f"{ok}/{len(group.runs)}"]
@@ -247,19 +261,20 @@ def render_markdown(
         lines.append(f"| {rank} | " + " | ".join(cells) + " |")
     lines += ["", verdict(groups, metric, higher_is_better), ""]
     if plot_name:
-        lines += [f"![{metric} and step cost per setting]({plot_name})", ""]
+        lines += [f"![the metric and step cost per setting]({plot_name})", ""]
 
     lines += ["## All runs", ""]
     keys = list(dict.fromkeys(k for r in runs for k in r.settings))
     where = any(r.ran_on for r in runs)
-    head = ["experiment", *keys, metric, *(PERF_TITLES[k] for k in perf_cols), "state"]
+    head = ["experiment", *map(code, keys), code(metric)]
+    head += [*(PERF_TITLES[k] for k in perf_cols), "state"]
     head += ["ran on"] if where else []
     lines += ["| rank | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
     for i, run in enumerate(rank_runs(runs, higher_is_better), 1):
-        cells = [f"`{run.name}`", *(str(run.settings.get(k, "")) for k in keys)]
+        cells = [code(run.name), *(code(run.settings.get(k, "")) for k in keys)]
         shown = _fmt(run.metric) + (" (other ruler)" if run.other_ruler else "")
         cells += [shown, *(_fmt(run.perf.get(k)) for k in perf_cols), run.state]
-        cells += [run.ran_on or "—"] if where else []
+        cells += [code(run.ran_on) if run.ran_on else "—"] if where else []
         rank = str(i) if run.comparable is not None else "—"
         lines.append(f"| {rank} | " + " | ".join(cells) + " |")
 
@@ -278,9 +293,9 @@ def notes_for(runs: Sequence[Run], metric: str) -> list[str]:
     others = [r for r in runs if r.other_ruler]
     if others:
         sweep = next(r.ruler for r in runs if r.ruler is not None and not r.other_ruler)
-        names = ", ".join(f"`{r.name}` ({r.ruler})" for r in others)
+        names = ", ".join(f"{code(r.name)} ({r.ruler})" for r in others)
         notes.append(
-            f"Not ranked: {names} measured `{metric}` with another ruler (feature network / "
+            f"Not ranked: {names} measured {code(metric)} with another ruler (feature network / "
             f"val split sha256) than the other runs ({sweep}); values from different rulers "
             "are not comparable. Keep `data.split_seed`, `featurenet.*` and the data the same "
             "across a sweep."
@@ -289,7 +304,7 @@ def notes_for(runs: Sequence[Run], metric: str) -> list[str]:
         notes.append(
             f"Every run was measured with one ruler (feature network / val split: {rulers[0]})."
         )
-    unknown = [f"`{r.name}`" for r in runs if r.metric is not None and r.ruler is None]
+    unknown = [f"{code(r.name)}" for r in runs if r.metric is not None and r.ruler is None]
     if unknown and rulers:
         notes.append(
             f"{', '.join(unknown)} record no ruler (evaluated before rulers were recorded): "
@@ -298,12 +313,12 @@ def notes_for(runs: Sequence[Run], metric: str) -> list[str]:
     finished = [r for r in runs if r.state == "success"]
     if finished and all(r.metric is None for r in finished):
         notes.append(
-            f"No finished run has the metric `{metric}` in its DVC metrics (is the stage that "
+            f"No finished run has the metric {code(metric)} in its DVC metrics (is the stage that "
             "writes it in dvc.yaml?); runs are listed unranked."
         )
     elif any(r.metric is None for r in finished):
-        missing = ", ".join(f"`{r.name}`" for r in finished if r.metric is None)
-        notes.append(f"`{metric}` is missing in {missing}.")
+        missing = ", ".join(f"{code(r.name)}" for r in finished if r.metric is None)
+        notes.append(f"{code(metric)} is missing in {missing}.")
     if finished and not any("step_ms" in r.perf for r in finished):
         notes.append(
             "`perf.step_ms` is not in the training metrics; the step cost is shown as "
@@ -313,8 +328,8 @@ def notes_for(runs: Sequence[Run], metric: str) -> list[str]:
         notes.append("`perf.peak_memory_mb` is not in the training metrics; no memory column.")
     for run in runs:
         if run.state != "success":
-            reason = f": {run.error}" if run.error else ""
-            notes.append(f"`{run.name}` {run.state}{reason}")
+            reason = f": {code(run.error)}" if run.error else ""
+            notes.append(f"{code(run.name)} {run.state}{reason}")
     return notes
 
 
@@ -376,3 +391,121 @@ def draw_plot(
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)
     return path
+
+
+# -- the tables a run and a sweep publish (Prefect artifacts) -----------------------------
+
+
+def run_rows(
+    files: Mapping[str, Mapping[str, Any]],
+    params: Mapping[str, Any],
+    overrides: Mapping[str, Any],
+    ran_on: Mapping[str, Any],
+) -> list[dict[str, Any]]:
+    """A pipeline run's ``pipeline-metrics`` table: every metric (by file), every param
+    (overridden ones marked) and where the run ran, one row each."""
+    rows = [
+        {"kind": "metric", "source": source, "key": key, "value": value}
+        for source, data in files.items()
+        for key, value in flatten(data).items()
+    ]
+    rows += [
+        {
+            "kind": "param (override)" if key in overrides else "param",
+            "source": "params.yaml",
+            "key": key,
+            "value": json.dumps(value) if isinstance(value, list) else value,
+        }
+        for key, value in flatten(params).items()
+    ]
+    return rows + [
+        {"kind": "run", "source": "environment", "key": key, "value": value}
+        for key, value in ran_on.items()
+    ]
+
+
+def read_run_rows(rows: Sequence[Mapping[str, Any]]) -> tuple[dict[str, dict], dict[str, Any]]:
+    """(metrics by file, where it ran) of a ``pipeline-metrics`` table (:func:`run_rows`)."""
+    metrics: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        if row["kind"] == "metric":
+            metrics.setdefault(row["source"], {})[row["key"]] = row["value"]
+    return metrics, {row["key"]: row["value"] for row in rows if row["kind"] == "run"}
+
+
+def run_markdown(record: Mapping[str, Any]) -> str:
+    """The markdown artifact of one pipeline run (callers' strings only inside code)."""
+    exp = record["experiment"]
+    lines = [
+        "# ganpipe pipeline run",
+        "",
+        f"- DVC experiment: **{exp}** on commit `{record['commit'][:7]}` "
+        f"(`dvc exp show`, `dvc exp apply {exp}` in the project)",
+        "- ran on: " + ", ".join(f"{k} {code(v)}" for k, v in record["ran_on"].items()),
+        "- stages: " + ", ".join(f"{name} ({how})" for name, how in record["stages"].items()),
+    ]
+    if record["overrides"]:
+        lines.append(f"- overrides: {code(json.dumps(record['overrides']))}")
+    lines += ["", "| metric | value |", "|---|---:|"]
+    for key, value in record["metrics"].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            lines.append(f"| {code(key)} | {float(value):.6g} |")
+    return "\n".join(lines)
+
+
+def sweep_rows(
+    runs: Sequence[Run],
+    found: Mapping[str, Mapping[str, Any]],
+    metric: str,
+    higher_is_better: bool,
+) -> list[dict[str, Any]]:
+    """The ``sweep-ranking`` table: the runs ranked, with their settings, measurements,
+    state, where and when they ran, and their error."""
+    perf = [k for k in PERF_KEYS if any(k in r.perf for r in runs)]
+    table = []
+    for i, r in enumerate(rank_runs(runs, higher_is_better), 1):
+        exp = found.get(r.name, {})
+        ran_on = exp.get("ran_on") or {}
+        table.append(
+            {
+                "rank": i,
+                "experiment": r.name,
+                **r.settings,
+                metric: r.metric,
+                **{PERF_TITLES[k]: r.perf.get(k) for k in perf},
+                "state": r.state,
+                **{k: ran_on.get(k) for k in ("worker", "host", "cuda_visible_devices")},
+                **{k: exp.get(k) for k in ("started", "ended")},
+                "error": r.error,
+            }
+        )
+    return table
+
+
+def write_sweep_report(
+    md_path: Path,
+    planned: Mapping[str, Mapping[str, Any]],
+    found: Mapping[str, Mapping[str, Any]],
+    metric: str,
+    higher_is_better: bool,
+    context: Mapping[str, Any],
+) -> tuple[str, list[dict[str, Any]]]:
+    """Write the sweep report ``md_path`` (markdown), its plot (``.png``) and its ranking
+    (``.json``); return the markdown and the ranking table."""
+    runs = collect_runs(planned, found, metric)
+    keys = list(next(iter(planned.values())))
+    group_keys = [k for k in keys if k not in REPEAT_KEYS]
+    groups = group_runs(runs, group_keys, higher_is_better)
+    panels = [("metric", f"{metric} ({'higher' if higher_is_better else 'lower'} is better)")]
+    panels += [(k, PERF_TITLES[k]) for k in PERF_KEYS if any(k in r.perf for r in runs)]
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    png_path = draw_plot(md_path.with_suffix(".png"), groups, panels)
+    title = "Which update strategy? Sweep report" if "train.strategy" in keys else "Sweep report"
+    markdown = render_markdown(
+        title, runs, group_keys, metric, higher_is_better, context, png_path.name
+    )
+    write_bytes_atomic(markdown.encode(), md_path)
+    table = sweep_rows(runs, found, metric, higher_is_better)
+    record = {"context": context, "metric": metric, "runs": table}
+    write_bytes_atomic((json.dumps(record, indent=2) + "\n").encode(), md_path.with_suffix(".json"))
+    return markdown, table
