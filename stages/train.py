@@ -38,6 +38,7 @@ import json
 import logging
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +50,8 @@ from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.store import DatasetError
 from ganpipe.dist import DistContext
 from ganpipe.errors import UserError
-from ganpipe.loop import TrainingInterrupted, train
+from ganpipe.files import kept_on_no_space, reported_as_no_space
+from ganpipe.loop import TrainingInterrupted, TrainResult, train
 from ganpipe.params import Params
 from ganpipe.trainmetrics import BEST_PREFIX, Ruler
 from stages._cli import TRAIN_LMDB, VAL_LMDB
@@ -69,29 +71,69 @@ class MetricsError(UserError):
     """FID/KID while training cannot be measured with these params and this val split."""
 
 
-def open_log(directory: str) -> Live:
-    """A dvclive log in ``directory``, cleared first (no dvc.yaml edits, no experiments)."""
-    return Live(directory, dvcyaml=None, save_dvc_exp=False, report=None)
+@contextlib.contextmanager
+def open_log(directory: str) -> Iterator[Live]:
+    """A dvclive log in ``directory``, cleared first (no dvc.yaml edits, no experiments),
+    ended (its summary written) on leaving. dvclive writes in place and raises a bare
+    ``OSError`` when the disk is full: that is a :class:`~ganpipe.files.NoSpaceError`
+    naming ``directory``."""
+    with reported_as_no_space(Path(directory)):
+        live = Live(directory, dvcyaml=None, save_dvc_exp=False, report=None)
+    try:
+        yield live
+    finally:
+        with reported_as_no_space(Path(directory)):
+            live.end()
+
+
+@contextlib.contextmanager
+def logs_kept_on_no_space(context: DistContext) -> Iterator[None]:
+    """On the main rank, ``metrics/train`` and ``measurements/train`` as they were before
+    the run when the block fails for lack of space (:func:`ganpipe.files.kept_on_no_space`).
+
+    dvclive rewrites them in place, so that ``dvc exp show``, ``dvc plots`` and the user see
+    the run's log while it trains; a full disk must not leave half a log beside the previous
+    models. The block includes writing the models: the log changes with them or not at all.
+    """
+    if not context.is_main:
+        yield
+        return
+    with kept_on_no_space(Path(LOG_DIR)), kept_on_no_space(Path(MEASUREMENTS_DIR)):
+        yield
+
+
+@contextlib.contextmanager
+def open_logs(context: DistContext) -> Iterator[DvcliveLogger | None]:
+    """The main rank's logger, on the dvclive logs ``metrics/train`` and
+    ``measurements/train`` (:func:`open_log`); None on the other ranks."""
+    if not context.is_main:
+        yield None
+        return
+    with open_log(LOG_DIR) as live, open_log(MEASUREMENTS_DIR) as measured:
+        yield DvcliveLogger(live, measured)
 
 
 class DvcliveLogger:
     """The loop's logger, writing dvclive files: the computed curves to ``live``, the
-    measured ``perf/*`` ones to ``measured``."""
+    measured ``perf/*`` ones to ``measured``; a write that fails for lack of space is a
+    :class:`~ganpipe.files.NoSpaceError` naming the log's folder."""
 
     def __init__(self, live: Live, measured: Live):
         self.live, self.measured = live, measured
 
     def log_scalars(self, images_seen: int, scalars: dict[str, float]) -> None:
         for log_, keep in ((self.live, False), (self.measured, True)):
-            log_.step = images_seen
-            for name, value in scalars.items():
-                if name.startswith(MEASURED_PREFIX) == keep:
-                    # best/*: logged at every measurement, a value of the run, not a curve
-                    log_.log_metric(name, value, plot=not name.startswith(BEST_PREFIX))
-            log_.make_summary()
+            with reported_as_no_space(Path(log_.dir)):
+                log_.step = images_seen
+                for name, value in scalars.items():
+                    if name.startswith(MEASURED_PREFIX) == keep:
+                        # best/*: logged at every measurement, a value of the run, not a curve
+                        log_.log_metric(name, value, plot=not name.startswith(BEST_PREFIX))
+                log_.make_summary()
 
     def log_grid(self, images_seen: int, grid: np.ndarray) -> None:
-        self.live.log_image(f"progress/{images_seen:09d}.png", grid)
+        with reported_as_no_space(Path(self.live.dir)):
+            self.live.log_image(f"progress/{images_seen:09d}.png", grid)
 
 
 def model_record(
@@ -253,6 +295,35 @@ class StopRequest:
         return self.signal is not None
 
 
+def write_machine_record(run: str, numerics: dict, context: DistContext) -> None:
+    """``measurements/train/machine.json``: where the run ran (not a stage output)."""
+    manifest = {
+        "run": run,
+        "numerics": numerics,
+        "machine": runtime.machine_record(),
+        "world_size": context.world_size,
+    }
+    write_bytes_atomic(
+        (json.dumps(manifest, indent=2) + "\n").encode(), Path(MEASUREMENTS_DIR) / "machine.json"
+    )
+
+
+def save_models(params: Params, result: TrainResult, numerics: dict) -> None:
+    """The four model files of ``models/`` (:func:`model_record`), each written atomically."""
+    final = result.g_ema.module.state_dict()
+    best = final if result.best is None else result.best["state_dict"]
+    seen = result.images_seen
+    best_seen = seen if result.best is None else result.best["images_seen"]
+    for name, kind, state_dict, images_seen in (
+        ("generator", "generator", result.g.state_dict(), seen),
+        ("discriminator", "discriminator", result.d.state_dict(), seen),
+        ("g_ema", "generator", final, seen),
+        ("g_ema_best", "generator", best, best_seen),
+    ):
+        record = model_record(params, kind, state_dict, numerics, result.num_classes, images_seen)
+        save_atomic(record, MODELS / f"{name}.pt")
+
+
 def main(params: Params) -> None:
     with lock_outputs(CHECKPOINTS, "train"):
         verify_data(TRAIN_LMDB)  # before any worker starts and any output is opened
@@ -284,58 +355,34 @@ def train_and_save(params: Params) -> None:
         # The log starts afresh and the loop writes the resumed run's records again from
         # its checkpoint: dvclive's own files are not written atomically, a killed run can
         # leave a truncated metrics.json, and DVC clears the log before rerunning the stage.
-        live = open_log(LOG_DIR) if context.is_main else contextlib.nullcontext()
-        measured = open_log(MEASUREMENTS_DIR) if context.is_main else contextlib.nullcontext()
         stop = StopRequest()
-        with live, measured:
-            logger = DvcliveLogger(live, measured) if context.is_main else None
-            if context.is_main and ruler is not None:
-                live.summary["ruler"] = ruler.identity["ruler"]  # what the FIDs are measured in
-            if context.is_main:
-                manifest = {
-                    "run": Path(run_dir).name,
-                    "numerics": numerics,
-                    "machine": runtime.machine_record(),
-                    "world_size": context.world_size,
-                }
-                write_bytes_atomic(
-                    (json.dumps(manifest, indent=2) + "\n").encode(),
-                    Path(MEASUREMENTS_DIR) / "machine.json",
-                )
-            try:
-                result = train(
-                    params,
-                    dataset,
-                    context,
-                    logger,
-                    run_dir=Path(run_dir),
-                    should_stop=stop,
-                    fingerprint=fingerprint,
-                    ruler=ruler,
-                )
-            except TrainingInterrupted as exc:
-                if context.is_main:
-                    print(
-                        f"stopped by signal {stop.signal} after {exc.images_seen} images; "
-                        f"checkpoint {exc.checkpoint}; run the stage again to resume",
-                        file=sys.stderr,
+        with logs_kept_on_no_space(context):
+            with open_logs(context) as logger:
+                if logger is not None:
+                    if ruler is not None:  # what the FIDs are measured in
+                        logger.live.summary["ruler"] = ruler.identity["ruler"]
+                    write_machine_record(Path(run_dir).name, numerics, context)
+                try:
+                    result = train(
+                        params,
+                        dataset,
+                        context,
+                        logger,
+                        run_dir=Path(run_dir),
+                        should_stop=stop,
+                        fingerprint=fingerprint,
+                        ruler=ruler,
                     )
-                sys.exit(128 + (stop.signal or signal.SIGTERM))
-        if context.is_main:
-            final = result.g_ema.module.state_dict()
-            best = final if result.best is None else result.best["state_dict"]
-            seen = result.images_seen
-            best_seen = seen if result.best is None else result.best["images_seen"]
-            for name, kind, state_dict, images_seen in (
-                ("generator", "generator", result.g.state_dict(), seen),
-                ("discriminator", "discriminator", result.d.state_dict(), seen),
-                ("g_ema", "generator", final, seen),
-                ("g_ema_best", "generator", best, best_seen),
-            ):
-                record = model_record(
-                    params, kind, state_dict, numerics, result.num_classes, images_seen
-                )
-                save_atomic(record, MODELS / f"{name}.pt")
+                except TrainingInterrupted as exc:
+                    if context.is_main:
+                        print(
+                            f"stopped by signal {stop.signal} after {exc.images_seen} images; "
+                            f"checkpoint {exc.checkpoint}; run the stage again to resume",
+                            file=sys.stderr,
+                        )
+                    sys.exit(128 + (stop.signal or signal.SIGTERM))
+            if context.is_main:
+                save_models(params, result, numerics)
         context.barrier()
     finally:
         dist.teardown(context)

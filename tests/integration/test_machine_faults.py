@@ -6,12 +6,14 @@ where, with the previous file untouched; an optional cache that cannot be writte
 
 from __future__ import annotations
 
+import errno
 import os
 import resource
 import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,8 @@ from ganpipe.files import NoSpaceError
 from ganpipe.nets import build_generator
 from ganpipe.params import ModelParams
 from ganpipe.sampling import export_pngs
-from tests.helpers import stage_env, tiny_params, write_project
+from tests.conftest import dir_digest
+from tests.helpers import run_stage, stage_env, tiny_params, write_project
 
 LIMIT = 64 * 1024  # bytes a file may grow to under the test's `ulimit -f`
 
@@ -108,16 +111,24 @@ def test_a_feature_cache_past_the_file_size_limit_is_skipped_with_a_warning(
     assert torch.equal(features, evaluation.real_features(*args[:5], None, progress=False))
 
 
-@pytest.fixture
-def small_disk(tmp_path) -> Iterator[Path]:
-    """A 64 KiB tmpfs (room for 16 small files: each takes a 4 KiB page), unmounted after."""
-    disk = tmp_path / "disk"
+@contextmanager
+def tmpfs(disk: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (``mount -o size=``) at the new folder ``disk``, unmounted after."""
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)])
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)])
     if mounted.returncode != 0:
         pytest.skip("mounting a tmpfs needs root")
-    yield disk
-    subprocess.run(["umount", str(disk)], check=True)
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Iterator[Path]:
+    """A 64 KiB tmpfs (room for 16 small files: each takes a 4 KiB page)."""
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        yield disk
 
 
 def test_exported_images_on_a_full_disk_end_in_one_error_and_keep_the_old_set(small_disk):
@@ -132,3 +143,44 @@ def test_exported_images_on_a_full_disk_end_in_one_error_and_keep_the_old_set(sm
     assert "free there now" in message and f"{images} is unchanged" in message
     assert {p.name: p.read_bytes() for p in images.iterdir()} == before
     assert os.listdir(small_disk) == ["images"]  # the partial new set is gone
+
+
+def fill(disk: Path) -> None:
+    """Write ``disk/filler`` until the filesystem has no room left."""
+    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"x" * 4096):
+            pass
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+def test_a_train_log_on_a_full_disk_ends_in_one_error_and_keeps_the_previous_log(
+    tmp_path, digits16
+):
+    # metrics/train moved to another disk (a link), which fills up while dvclive writes the
+    # log again: dvclive's own writes are not atomic, and it clears the old log first.
+    root = write_project(tmp_path / "project", tiny_params(), digits16)
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        (disk / "train").mkdir()
+        (root / "metrics").mkdir()
+        (root / "metrics/train").symlink_to(disk / "train")
+        first = run_stage(root, "train", timeout=300)
+        assert first.returncode == 0, first.stderr[-3000:]
+        log_before, models_before = dir_digest(disk / "train"), dir_digest(root / "models")
+        assert "metrics.json" in log_before and len(log_before) > 5
+        fill(disk)
+        # the same params: the run resumes at its end and writes its log again
+        result = run_stage(root, "train", timeout=300)
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1, result.stderr[-3000:]
+        assert "writing metrics/train failed (No space left on device)" in errors[0]
+        assert "free there now" in errors[0] and "metrics/train is unchanged" in errors[0]
+        assert dir_digest(disk / "train") == log_before
+        assert (root / "metrics/train").is_symlink()
+        assert sorted(os.listdir(disk)) == ["filler", "train"]  # no kept copy left behind
+        assert dir_digest(root / "models") == models_before
