@@ -10,7 +10,8 @@ evaluate stage measures) also the ``eval`` keys of the measurement, ``data/val.l
 features are cached in ``.state/feature-cache/``.
 Outputs: ``models/generator.pt``, ``models/discriminator.pt``, ``models/g_ema.pt`` and
 ``models/g_ema_best.pt`` (the EMA at the lowest FID measured while training; the final EMA
-without metrics), each written atomically, with the numerics they were computed with; the
+without metrics), each written atomically, with the numerics they were computed with (and with
+``train.init_from``, the path and sha256 of the file each started from); the
 training log ``metrics/train`` (dvclive: metrics.json with ``best/kimg`` and ``best/fid``,
 loss and FID/KID curves, progress grids).
 Beside the outputs (git-ignored, not in dvc.lock: they are not reproducible bytes): the
@@ -45,7 +46,14 @@ import numpy as np
 from dvclive import Live
 
 from ganpipe import dist, runtime
-from ganpipe.checkpoint import init_files, run_fingerprint, save_atomic, write_bytes_atomic
+from ganpipe.checkpoint import (
+    MODEL_FILES,
+    init_files,
+    init_sha256,
+    run_fingerprint,
+    save_atomic,
+    write_bytes_atomic,
+)
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.store import DatasetError
 from ganpipe.dist import DistContext
@@ -143,11 +151,14 @@ def model_record(
     numerics: dict,
     num_classes: int | None = None,
     images_seen: int | None = None,
+    init_from: dict[str, str] | None = None,
 ) -> dict:
     """What a model file holds (:mod:`ganpipe.modelfile`): enough to rebuild the network
     without params.yaml, the numerics it was computed with
     (:func:`ganpipe.runtime.numerics_record`) and ``images_seen``, how far training went;
-    ``num_classes`` for a class-conditional model only (an unconditional record is as before)."""
+    ``num_classes`` for a class-conditional model only, ``init_from`` (the ``path`` and
+    ``sha256`` of the train.init_from file its weights started from) for a fine-tuned one
+    only: the record of an unconditional model trained from the seed is as before."""
     record = {
         "net": net,
         "model": params.model.model_dump(mode="json"),
@@ -160,7 +171,31 @@ def model_record(
         record["num_classes"] = num_classes
     if images_seen is not None:
         record["images_seen"] = images_seen
+    if init_from is not None:
+        record["init_from"] = init_from
     return record
+
+
+#: The file of a train.init_from folder each model file starts from: the best snapshot is an
+#: EMA, it starts from the EMA's file.
+STARTS_FROM = {
+    "generator": MODEL_FILES["g"],
+    "discriminator": MODEL_FILES["d"],
+    "g_ema": MODEL_FILES["g_ema"],
+    "g_ema_best": MODEL_FILES["g_ema"],
+}
+
+
+def init_sources(init_from: str | None) -> dict[str, dict[str, str]] | None:
+    """For each model file (by name, as :data:`STARTS_FROM`), the ``path`` and ``sha256`` of
+    the train.init_from file it starts from; None without train.init_from."""
+    if init_from is None:
+        return None
+    sha256 = init_sha256(Path(init_from))
+    return {
+        name: {"path": f"{init_from}/{file}", "sha256": sha256[file]}
+        for name, file in STARTS_FROM.items()
+    }
 
 
 def _numerics_part(relevant: dict) -> dict:
@@ -308,8 +343,14 @@ def write_machine_record(run: str, numerics: dict, context: DistContext) -> None
     )
 
 
-def save_models(params: Params, result: TrainResult, numerics: dict) -> None:
-    """The four model files of ``models/`` (:func:`model_record`), each written atomically."""
+def save_models(
+    params: Params,
+    result: TrainResult,
+    numerics: dict,
+    init: dict[str, dict[str, str]] | None = None,
+) -> None:
+    """The four model files of ``models/`` (:func:`model_record`), each written atomically;
+    ``init``: what each started from (:func:`init_sources`)."""
     final = result.g_ema.module.state_dict()
     best = final if result.best is None else result.best["state_dict"]
     seen = result.images_seen
@@ -320,7 +361,10 @@ def save_models(params: Params, result: TrainResult, numerics: dict) -> None:
         ("g_ema", "generator", final, seen),
         ("g_ema_best", "generator", best, best_seen),
     ):
-        record = model_record(params, kind, state_dict, numerics, result.num_classes, images_seen)
+        started = None if init is None else init[name]
+        record = model_record(
+            params, kind, state_dict, numerics, result.num_classes, images_seen, started
+        )
         save_atomic(record, MODELS / f"{name}.pt")
 
 
@@ -352,6 +396,8 @@ def train_and_save(params: Params) -> None:
             else None
         )
         run_dir, fingerprint = context.broadcast_object(run)
+        # what the weights start from (hashed just before training loads them): the records
+        init = init_sources(params.train.init_from) if context.is_main else None
         # The log starts afresh and the loop writes the resumed run's records again from
         # its checkpoint: dvclive's own files are not written atomically, a killed run can
         # leave a truncated metrics.json, and DVC clears the log before rerunning the stage.
@@ -382,7 +428,7 @@ def train_and_save(params: Params) -> None:
                         )
                     sys.exit(128 + (stop.signal or signal.SIGTERM))
             if context.is_main:
-                save_models(params, result, numerics)
+                save_models(params, result, numerics, init)
         context.barrier()
     finally:
         dist.teardown(context)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import resource
+import signal
 import subprocess
 import sys
 import textwrap
@@ -19,13 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from ganpipe import evaluation
+from ganpipe import evaluation, runtime
+from ganpipe.checkpoint import save_atomic
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.featurenet import Embedding, FeatureNet
 from ganpipe.files import NoSpaceError
-from ganpipe.nets import build_generator
-from ganpipe.params import ModelParams
+from ganpipe.nets import build_generator, build_models
+from ganpipe.params import ModelParams, Params
 from ganpipe.sampling import export_pngs
+from stages.train import model_record
 from tests.conftest import dir_digest
 from tests.helpers import run_stage, stage_env, tiny_params, write_project
 
@@ -184,3 +187,29 @@ def test_a_train_log_on_a_full_disk_ends_in_one_error_and_keeps_the_previous_log
         assert (root / "metrics/train").is_symlink()
         assert sorted(os.listdir(disk)) == ["filler", "train"]  # no kept copy left behind
         assert dir_digest(root / "models") == models_before
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]], ids=["text", "json"])
+def test_ganpipe_info_into_a_closed_pipe_stops_quietly(tmp_path, json_flag):
+    """`ganpipe info models/g_ema.pt | head -1`: the reader goes away before all is written
+    (here before anything is: the pipe's read end is closed), as `head` does."""
+    params = Params.model_validate({"data": {"image_size": 16}, "model": {"z_dim": 8}})
+    g, _ = build_models(params.model, 16, 1, torch.Generator().manual_seed(0))
+    numerics = runtime.numerics_record(params.determinism, params.devices, torch.device("cpu"))
+    model = tmp_path / "g_ema.pt"
+    save_atomic(model_record(params, "generator", g.state_dict(), numerics, None, 160), model)
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "ganpipe_cli", "info", str(model), *json_flag],
+            env=stage_env(),
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert result.returncode == 128 + signal.SIGPIPE, result.stderr
+    assert result.stderr == ""
