@@ -279,6 +279,8 @@ def metrics_ruler(params: Params, context: DistContext, numerics: dict) -> Ruler
     Raises:
         MetricsError: the extractor is missing or altered, or the val split has fewer images
             than ``eval.kid_subset_size``.
+        WaitTimeoutError: on a rank other than 0, the val features took rank 0 longer than
+            devices.timeout_s (gloo).
     """
     if params.train.metrics_kimg == 0:
         return None
@@ -312,7 +314,15 @@ def metrics_ruler(params: Params, context: DistContext, numerics: dict) -> Ruler
             extractor, val, sha256, params.eval.batch_size, context.device, CACHE, numerics=text
         )
         identity = Ruler.describe(params, extractor.digest, sha256, text)
-    return Ruler(context.broadcast_object(identity), extractor, real)
+    identity = context.wait_for_main(
+        identity,
+        f"the features of {VAL_LMDB} for FID while training (train.metrics_kimg="
+        f"{params.train.metrics_kimg}, eval.feature_extractor={params.eval.feature_extractor}, "
+        f"eval.batch_size={params.eval.batch_size}; cached in {CACHE} once computed)",
+        "raise devices.timeout_s above what rank 0 takes to pass the val split through the "
+        "extractor, or set train.metrics_kimg 0",
+    )
+    return Ruler(identity, extractor, real)
 
 
 class StopRequest:

@@ -10,6 +10,7 @@ import errno
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -213,3 +214,57 @@ def test_ganpipe_info_into_a_closed_pipe_stops_quietly(tmp_path, json_flag):
         os.close(write)
     assert result.returncode == 128 + signal.SIGPIPE, result.stderr
     assert result.stderr == ""
+
+
+SLOW_MEASUREMENT = """
+import os, sys, time, torch
+from ganpipe import dist
+from ganpipe.errors import UserError
+from ganpipe.params import DevicesParams
+from ganpipe.trainmetrics import Ruler
+
+rank = int(os.environ["RANK"])
+devices = DevicesParams(nproc_per_node=2, timeout_s=5)
+context = dist.setup(devices, rank, rank, 2, torch.device("cpu"))
+if rank == 0:  # a measurement that takes longer than devices.timeout_s (the test ends it)
+    time.sleep(300)
+identity = {"ruler": {"extractor": "featurenet"}, "num_samples": 50000, "batch_size": 256}
+try:
+    Ruler(identity).measure(None, context, 8, None)  # rank 1 only waits for rank 0's
+except UserError as exc:
+    print(f"error: {exc}", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+def test_a_measurement_longer_than_the_ddp_timeout_names_the_keys_not_a_gloo_traceback():
+    """Under DDP rank 0 measures FID while the other ranks wait in a broadcast: one that
+    outlasts devices.timeout_s fails there, and says which keys make it long."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**stage_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", SLOW_MEASUREMENT],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        waiting = ranks[1].communicate(timeout=60)[1]
+    finally:
+        ranks[0].kill()
+        ranks[0].communicate()
+    assert ranks[1].returncode == 2, waiting[-3000:]
+    assert "Traceback" not in waiting
+    errors = [line for line in waiting.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, waiting[-3000:]
+    assert (
+        "rank 1 waited devices.timeout_s=5 s for rank 0 to finish a FID/KID measurement"
+        in (errors[0])
+    )
+    assert "train.metrics_num_samples=50000" in errors[0]
+    assert "raise devices.timeout_s" in errors[0] and "train.metrics_kimg 0" in errors[0]
