@@ -6,9 +6,11 @@ where, with the previous file untouched; an optional cache that cannot be writte
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,7 +27,7 @@ from ganpipe import evaluation, runtime
 from ganpipe.checkpoint import save_atomic
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.featurenet import Embedding, FeatureNet
-from ganpipe.files import NoSpaceError
+from ganpipe.files import NoSpaceError, kept_on_no_space, reported_as_no_space
 from ganpipe.nets import build_generator, build_models
 from ganpipe.params import ModelParams, Params
 from ganpipe.sampling import export_pngs
@@ -268,3 +270,40 @@ def test_a_measurement_longer_than_the_ddp_timeout_names_the_keys_not_a_gloo_tra
     )
     assert "train.metrics_num_samples=50000" in errors[0]
     assert "raise devices.timeout_s" in errors[0] and "train.metrics_kimg 0" in errors[0]
+
+
+def write_in_place(folder: Path, size: int) -> None:
+    """What dvclive does to its log: clear it, then write new files into it."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    with open(folder / "metrics.json", "wb") as handle:
+        handle.write(b"x" * size)
+
+
+@pytest.mark.parametrize("reported", [False, True], ids=["bare", "reported"])
+def test_a_log_that_did_not_exist_before_a_full_disk_is_not_left_half_written(tmp_path, reported):
+    """The error says "was not written" once the half-written log is gone, whether the
+    writer's OSError arrives bare or already as a NoSpaceError (the train stage's logger)."""
+    log = tmp_path / "metrics" / "train"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, hard))
+    writer = reported_as_no_space(log) if reported else contextlib.nullcontext()
+    try:
+        with pytest.raises(NoSpaceError) as caught, kept_on_no_space(log), writer:
+            write_in_place(log, 2 * LIMIT)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert f"writing {log} failed (File too large)" in str(caught.value)
+    assert f"{log} was not written" in str(caught.value)
+    assert not log.exists() and os.listdir(log.parent) == []
+
+
+def test_a_log_whose_run_fails_otherwise_keeps_what_the_run_wrote(tmp_path):
+    """A diverged or interrupted run's partial log stays, for its curves; the copy goes."""
+    log = tmp_path / "train"
+    write_in_place(log, 10)
+    with pytest.raises(RuntimeError), kept_on_no_space(log):
+        write_in_place(log, 20)
+        raise RuntimeError("diverged")
+    assert (log / "metrics.json").read_bytes() == b"x" * 20
+    assert os.listdir(tmp_path) == ["train"]
