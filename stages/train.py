@@ -10,7 +10,8 @@ evaluate stage measures) also the ``eval`` keys of the measurement, ``data/val.l
 features are cached in ``.state/feature-cache/``.
 Outputs: ``models/generator.pt``, ``models/discriminator.pt``, ``models/g_ema.pt`` and
 ``models/g_ema_best.pt`` (the EMA at the lowest FID measured while training; the final EMA
-without metrics), each written atomically, with the numerics they were computed with; the
+without metrics), each written atomically, with the numerics they were computed with (and with
+``train.init_from``, the path and sha256 of the file each started from); the
 training log ``metrics/train`` (dvclive: metrics.json with ``best/kimg`` and ``best/fid``,
 loss and FID/KID curves, progress grids).
 Beside the outputs (git-ignored, not in dvc.lock: they are not reproducible bytes): the
@@ -38,18 +39,27 @@ import json
 import logging
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 from dvclive import Live
 
 from ganpipe import dist, runtime
-from ganpipe.checkpoint import init_files, run_fingerprint, save_atomic, write_bytes_atomic
+from ganpipe.checkpoint import (
+    MODEL_FILES,
+    init_files,
+    init_sha256,
+    run_fingerprint,
+    save_atomic,
+    write_bytes_atomic,
+)
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.store import DatasetError
 from ganpipe.dist import DistContext
 from ganpipe.errors import UserError
-from ganpipe.loop import TrainingInterrupted, train
+from ganpipe.files import kept_on_no_space, reported_as_no_space
+from ganpipe.loop import TrainingInterrupted, TrainResult, train
 from ganpipe.params import Params
 from ganpipe.trainmetrics import BEST_PREFIX, Ruler
 from stages._cli import TRAIN_LMDB, VAL_LMDB
@@ -69,29 +79,69 @@ class MetricsError(UserError):
     """FID/KID while training cannot be measured with these params and this val split."""
 
 
-def open_log(directory: str) -> Live:
-    """A dvclive log in ``directory``, cleared first (no dvc.yaml edits, no experiments)."""
-    return Live(directory, dvcyaml=None, save_dvc_exp=False, report=None)
+@contextlib.contextmanager
+def open_log(directory: str) -> Iterator[Live]:
+    """A dvclive log in ``directory``, cleared first (no dvc.yaml edits, no experiments),
+    ended (its summary written) on leaving. dvclive writes in place and raises a bare
+    ``OSError`` when the disk is full: that is a :class:`~ganpipe.files.NoSpaceError`
+    naming ``directory``."""
+    with reported_as_no_space(Path(directory)):
+        live = Live(directory, dvcyaml=None, save_dvc_exp=False, report=None)
+    try:
+        yield live
+    finally:
+        with reported_as_no_space(Path(directory)):
+            live.end()
+
+
+@contextlib.contextmanager
+def logs_kept_on_no_space(context: DistContext) -> Iterator[None]:
+    """On the main rank, ``metrics/train`` and ``measurements/train`` as they were before
+    the run when the block fails for lack of space (:func:`ganpipe.files.kept_on_no_space`).
+
+    dvclive rewrites them in place, so that ``dvc exp show``, ``dvc plots`` and the user see
+    the run's log while it trains; a full disk must not leave half a log beside the previous
+    models. The block includes writing the models: the log changes with them or not at all.
+    """
+    if not context.is_main:
+        yield
+        return
+    with kept_on_no_space(Path(LOG_DIR)), kept_on_no_space(Path(MEASUREMENTS_DIR)):
+        yield
+
+
+@contextlib.contextmanager
+def open_logs(context: DistContext) -> Iterator[DvcliveLogger | None]:
+    """The main rank's logger, on the dvclive logs ``metrics/train`` and
+    ``measurements/train`` (:func:`open_log`); None on the other ranks."""
+    if not context.is_main:
+        yield None
+        return
+    with open_log(LOG_DIR) as live, open_log(MEASUREMENTS_DIR) as measured:
+        yield DvcliveLogger(live, measured)
 
 
 class DvcliveLogger:
     """The loop's logger, writing dvclive files: the computed curves to ``live``, the
-    measured ``perf/*`` ones to ``measured``."""
+    measured ``perf/*`` ones to ``measured``; a write that fails for lack of space is a
+    :class:`~ganpipe.files.NoSpaceError` naming the log's folder."""
 
     def __init__(self, live: Live, measured: Live):
         self.live, self.measured = live, measured
 
     def log_scalars(self, images_seen: int, scalars: dict[str, float]) -> None:
         for log_, keep in ((self.live, False), (self.measured, True)):
-            log_.step = images_seen
-            for name, value in scalars.items():
-                if name.startswith(MEASURED_PREFIX) == keep:
-                    # best/*: logged at every measurement, a value of the run, not a curve
-                    log_.log_metric(name, value, plot=not name.startswith(BEST_PREFIX))
-            log_.make_summary()
+            with reported_as_no_space(Path(log_.dir)):
+                log_.step = images_seen
+                for name, value in scalars.items():
+                    if name.startswith(MEASURED_PREFIX) == keep:
+                        # best/*: logged at every measurement, a value of the run, not a curve
+                        log_.log_metric(name, value, plot=not name.startswith(BEST_PREFIX))
+                log_.make_summary()
 
     def log_grid(self, images_seen: int, grid: np.ndarray) -> None:
-        self.live.log_image(f"progress/{images_seen:09d}.png", grid)
+        with reported_as_no_space(Path(self.live.dir)):
+            self.live.log_image(f"progress/{images_seen:09d}.png", grid)
 
 
 def model_record(
@@ -101,11 +151,14 @@ def model_record(
     numerics: dict,
     num_classes: int | None = None,
     images_seen: int | None = None,
+    init_from: dict[str, str] | None = None,
 ) -> dict:
     """What a model file holds (:mod:`ganpipe.modelfile`): enough to rebuild the network
     without params.yaml, the numerics it was computed with
     (:func:`ganpipe.runtime.numerics_record`) and ``images_seen``, how far training went;
-    ``num_classes`` for a class-conditional model only (an unconditional record is as before)."""
+    ``num_classes`` for a class-conditional model only, ``init_from`` (the ``path`` and
+    ``sha256`` of the train.init_from file its weights started from) for a fine-tuned one
+    only: the record of an unconditional model trained from the seed is as before."""
     record = {
         "net": net,
         "model": params.model.model_dump(mode="json"),
@@ -118,7 +171,31 @@ def model_record(
         record["num_classes"] = num_classes
     if images_seen is not None:
         record["images_seen"] = images_seen
+    if init_from is not None:
+        record["init_from"] = init_from
     return record
+
+
+#: The file of a train.init_from folder each model file starts from: the best snapshot is an
+#: EMA, it starts from the EMA's file.
+STARTS_FROM = {
+    "generator": MODEL_FILES["g"],
+    "discriminator": MODEL_FILES["d"],
+    "g_ema": MODEL_FILES["g_ema"],
+    "g_ema_best": MODEL_FILES["g_ema"],
+}
+
+
+def init_sources(init_from: str | None) -> dict[str, dict[str, str]] | None:
+    """For each model file (by name, as :data:`STARTS_FROM`), the ``path`` and ``sha256`` of
+    the train.init_from file it starts from; None without train.init_from."""
+    if init_from is None:
+        return None
+    sha256 = init_sha256(Path(init_from))
+    return {
+        name: {"path": f"{init_from}/{file}", "sha256": sha256[file]}
+        for name, file in STARTS_FROM.items()
+    }
 
 
 def _numerics_part(relevant: dict) -> dict:
@@ -202,6 +279,8 @@ def metrics_ruler(params: Params, context: DistContext, numerics: dict) -> Ruler
     Raises:
         MetricsError: the extractor is missing or altered, or the val split has fewer images
             than ``eval.kid_subset_size``.
+        WaitTimeoutError: on a rank other than 0, the val features took rank 0 longer than
+            devices.timeout_s (gloo).
     """
     if params.train.metrics_kimg == 0:
         return None
@@ -235,7 +314,15 @@ def metrics_ruler(params: Params, context: DistContext, numerics: dict) -> Ruler
             extractor, val, sha256, params.eval.batch_size, context.device, CACHE, numerics=text
         )
         identity = Ruler.describe(params, extractor.digest, sha256, text)
-    return Ruler(context.broadcast_object(identity), extractor, real)
+    identity = context.wait_for_main(
+        identity,
+        f"the features of {VAL_LMDB} for FID while training (train.metrics_kimg="
+        f"{params.train.metrics_kimg}, eval.feature_extractor={params.eval.feature_extractor}, "
+        f"eval.batch_size={params.eval.batch_size}; cached in {CACHE} once computed)",
+        "raise devices.timeout_s above what rank 0 takes to pass the val split through the "
+        "extractor, or set train.metrics_kimg 0",
+    )
+    return Ruler(identity, extractor, real)
 
 
 class StopRequest:
@@ -251,6 +338,44 @@ class StopRequest:
 
     def __call__(self) -> bool:
         return self.signal is not None
+
+
+def write_machine_record(run: str, numerics: dict, context: DistContext) -> None:
+    """``measurements/train/machine.json``: where the run ran (not a stage output)."""
+    manifest = {
+        "run": run,
+        "numerics": numerics,
+        "machine": runtime.machine_record(),
+        "world_size": context.world_size,
+    }
+    write_bytes_atomic(
+        (json.dumps(manifest, indent=2) + "\n").encode(), Path(MEASUREMENTS_DIR) / "machine.json"
+    )
+
+
+def save_models(
+    params: Params,
+    result: TrainResult,
+    numerics: dict,
+    init: dict[str, dict[str, str]] | None = None,
+) -> None:
+    """The four model files of ``models/`` (:func:`model_record`), each written atomically;
+    ``init``: what each started from (:func:`init_sources`)."""
+    final = result.g_ema.module.state_dict()
+    best = final if result.best is None else result.best["state_dict"]
+    seen = result.images_seen
+    best_seen = seen if result.best is None else result.best["images_seen"]
+    for name, kind, state_dict, images_seen in (
+        ("generator", "generator", result.g.state_dict(), seen),
+        ("discriminator", "discriminator", result.d.state_dict(), seen),
+        ("g_ema", "generator", final, seen),
+        ("g_ema_best", "generator", best, best_seen),
+    ):
+        started = None if init is None else init[name]
+        record = model_record(
+            params, kind, state_dict, numerics, result.num_classes, images_seen, started
+        )
+        save_atomic(record, MODELS / f"{name}.pt")
 
 
 def main(params: Params) -> None:
@@ -281,61 +406,39 @@ def train_and_save(params: Params) -> None:
             else None
         )
         run_dir, fingerprint = context.broadcast_object(run)
+        # what the weights start from (hashed just before training loads them): the records
+        init = init_sources(params.train.init_from) if context.is_main else None
         # The log starts afresh and the loop writes the resumed run's records again from
         # its checkpoint: dvclive's own files are not written atomically, a killed run can
         # leave a truncated metrics.json, and DVC clears the log before rerunning the stage.
-        live = open_log(LOG_DIR) if context.is_main else contextlib.nullcontext()
-        measured = open_log(MEASUREMENTS_DIR) if context.is_main else contextlib.nullcontext()
         stop = StopRequest()
-        with live, measured:
-            logger = DvcliveLogger(live, measured) if context.is_main else None
-            if context.is_main and ruler is not None:
-                live.summary["ruler"] = ruler.identity["ruler"]  # what the FIDs are measured in
-            if context.is_main:
-                manifest = {
-                    "run": Path(run_dir).name,
-                    "numerics": numerics,
-                    "machine": runtime.machine_record(),
-                    "world_size": context.world_size,
-                }
-                write_bytes_atomic(
-                    (json.dumps(manifest, indent=2) + "\n").encode(),
-                    Path(MEASUREMENTS_DIR) / "machine.json",
-                )
-            try:
-                result = train(
-                    params,
-                    dataset,
-                    context,
-                    logger,
-                    run_dir=Path(run_dir),
-                    should_stop=stop,
-                    fingerprint=fingerprint,
-                    ruler=ruler,
-                )
-            except TrainingInterrupted as exc:
-                if context.is_main:
-                    print(
-                        f"stopped by signal {stop.signal} after {exc.images_seen} images; "
-                        f"checkpoint {exc.checkpoint}; run the stage again to resume",
-                        file=sys.stderr,
+        with logs_kept_on_no_space(context):
+            with open_logs(context) as logger:
+                if logger is not None:
+                    if ruler is not None:  # what the FIDs are measured in
+                        logger.live.summary["ruler"] = ruler.identity["ruler"]
+                    write_machine_record(Path(run_dir).name, numerics, context)
+                try:
+                    result = train(
+                        params,
+                        dataset,
+                        context,
+                        logger,
+                        run_dir=Path(run_dir),
+                        should_stop=stop,
+                        fingerprint=fingerprint,
+                        ruler=ruler,
                     )
-                sys.exit(128 + (stop.signal or signal.SIGTERM))
-        if context.is_main:
-            final = result.g_ema.module.state_dict()
-            best = final if result.best is None else result.best["state_dict"]
-            seen = result.images_seen
-            best_seen = seen if result.best is None else result.best["images_seen"]
-            for name, kind, state_dict, images_seen in (
-                ("generator", "generator", result.g.state_dict(), seen),
-                ("discriminator", "discriminator", result.d.state_dict(), seen),
-                ("g_ema", "generator", final, seen),
-                ("g_ema_best", "generator", best, best_seen),
-            ):
-                record = model_record(
-                    params, kind, state_dict, numerics, result.num_classes, images_seen
-                )
-                save_atomic(record, MODELS / f"{name}.pt")
+                except TrainingInterrupted as exc:
+                    if context.is_main:
+                        print(
+                            f"stopped by signal {stop.signal} after {exc.images_seen} images; "
+                            f"checkpoint {exc.checkpoint}; run the stage again to resume",
+                            file=sys.stderr,
+                        )
+                    sys.exit(128 + (stop.signal or signal.SIGTERM))
+            if context.is_main:
+                save_models(params, result, numerics, init)
         context.barrier()
     finally:
         dist.teardown(context)

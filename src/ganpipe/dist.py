@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -17,9 +18,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ganpipe.errors import UserError
 from ganpipe.params import DevicesParams
 
 log = logging.getLogger(__name__)
+
+
+class WaitTimeoutError(UserError):
+    """A rank waited longer than ``devices.timeout_s`` for work that rank 0 does alone; the
+    message names the work, the keys that size it and the fix."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,9 @@ class DistContext:
     local_rank: int = 0
     world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    timeout_s: float = 0.0
+    """How long a collective waits before the run fails (``devices.timeout_s``; 0: one
+    process, or not known)."""
 
     @property
     def is_main(self) -> bool:
@@ -69,6 +79,31 @@ class DistContext:
         dist.broadcast_object_list(holder, src=0, device=self.device)
         return holder[0]
 
+    def wait_for_main(self, obj: object, work: str, fix: str) -> object:
+        """Rank 0's ``obj`` on every rank, once rank 0 has done ``work`` alone: the other
+        ranks wait for it in the broadcast, as long as ``devices.timeout_s`` allows.
+
+        Raises:
+            WaitTimeoutError: on a rank other than 0, the wait outlasted devices.timeout_s
+                (gloo gives up then); the message names ``work`` and says ``fix``. NCCL's
+                watchdog ends the waiting process instead, with its own message (see
+                docs/distributed.md).
+        """
+        start = time.monotonic()
+        try:
+            return self.broadcast_object(obj)
+        except RuntimeError as exc:
+            # gloo's "Timed out waiting ...ms for recv": only a wait as long as the timeout
+            # is the user's to fix. Earlier failures (rank 0 died) keep their traceback.
+            waited = time.monotonic() - start
+            if self.is_main or not self.timeout_s or waited < self.timeout_s:
+                raise
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise WaitTimeoutError(
+                f"rank {self.rank} waited devices.timeout_s={self.timeout_s:g} s for rank 0 to "
+                f"finish {work} and gave up ({reason}); {fix}"
+            ) from None
+
     def gather_objects(self, obj: object) -> list[object]:
         """Every rank's ``obj``, in rank order (on every rank)."""
         if not self.distributed:
@@ -96,7 +131,8 @@ def setup(
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    context = DistContext(rank, local_rank, world_size, device)
+    timeout_s = devices.timeout_s if world_size > 1 else 0.0
+    context = DistContext(rank, local_rank, world_size, device, timeout_s)
     if world_size > 1:
         backend = devices.backend
         if backend == "auto":

@@ -47,12 +47,22 @@ class NoSpaceError(UserError):
     """Writing failed for lack of space; the message says how much is needed, and where.
 
     A :class:`~ganpipe.errors.UserError`: the stages report it in one line, exit status 2.
-    ``strerror`` is the system's reason (``No space left on device``, ``File too large``).
+    ``strerror`` is the system's reason (``No space left on device``, ``File too large``);
+    from :func:`no_space_error` also ``path``, ``needed_bytes`` and the ``os_error``, to say
+    it again once the path is put back (:func:`kept_on_no_space`).
     """
 
-    def __init__(self, message: str, strerror: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        strerror: str | None = None,
+        path: Path | None = None,
+        needed_bytes: int | None = None,
+        os_error: OSError | None = None,
+    ):
         super().__init__(message)
         self.strerror = strerror
+        self.path, self.needed_bytes, self.os_error = path, needed_bytes, os_error
 
 
 def size_text(num_bytes: float) -> str:
@@ -89,6 +99,9 @@ def no_space_error(exc: OSError, path: Path, needed_bytes: int | None) -> NoSpac
         f"{path.parent}/ ({free_space_text(path.parent)}); {path} {kept}. Free some space "
         "(or raise the file-size limit, `ulimit -f`), then run the stage again",
         exc.strerror,
+        path,
+        needed_bytes,
+        exc,
     )
 
 
@@ -156,6 +169,96 @@ def remove_dir(final: Path) -> None:
     """Delete the folder ``final``; where it is a symbolic link, the folder it points to (the
     link stays, to be written through again)."""
     shutil.rmtree(os.path.realpath(final) if final.is_symlink() else final)
+
+
+def _link_tree(source: Path, copy: Path) -> None:
+    """Make ``copy`` hold what the folder ``source`` holds, as hard links to its files (a
+    plain copy where the filesystem has no hard links)."""
+    copy.mkdir()
+    for entry in os.scandir(source):
+        target = copy / entry.name
+        if entry.is_dir(follow_symlinks=False):
+            _link_tree(Path(entry.path), target)
+        elif entry.is_symlink():
+            os.symlink(os.readlink(entry.path), target)
+        else:
+            try:
+                os.link(entry.path, target)
+            except OSError as exc:
+                if exc.errno in NO_SPACE_ERRNOS:
+                    raise
+                shutil.copy2(entry.path, target)
+
+
+def _no_space(exc: BaseException) -> bool:
+    return isinstance(exc, NoSpaceError) or (
+        isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS
+    )
+
+
+@contextmanager
+def kept_on_no_space(folder: Path) -> Iterator[None]:
+    """Put ``folder`` back as it was when the block fails for lack of space.
+
+    For a writer that rewrites ``folder`` in place, file by file (dvclive's logs, which the
+    user watches while they are written): the previous contents are kept aside as hard
+    links, ``.NAME.tmp-PID`` beside ``folder`` (beside its target, where it is a symbolic
+    link), so keeping them takes no room for data. When the block raises a
+    :class:`NoSpaceError` (or an ``OSError`` of :data:`NO_SPACE_ERRNOS`, which becomes one
+    naming ``folder``), they are swapped back in (:func:`replace_dir`): ``folder`` is
+    byte-identical to what it was, or absent again. Any other ending deletes the kept copy
+    and leaves the block's writing as it is (a failed run's log shows what happened).
+
+    The writer must replace the files it rewrites, never write into an existing one (a hard
+    link shares the data): dvclive deletes its files when a log is opened and writes them
+    anew. A kept copy that a killed run left behind is deleted first, so call this only
+    while holding the outputs' lock (:func:`locked_dir`), as :func:`clear_leftovers` says.
+
+    Raises:
+        NoSpaceError: the block failed for lack of space; or there was no room to keep the
+            previous contents (then nothing was changed).
+    """
+    beside = build_dir_for(folder)
+    clear_leftovers(beside, [folder.name])
+    kept = beside / f".{folder.name}{TMP_MARK}{os.getpid()}"
+    existed = folder.is_dir()
+    if existed:
+        try:
+            _link_tree(folder, kept)
+        except OSError as exc:
+            shutil.rmtree(kept, ignore_errors=True)
+            if exc.errno not in NO_SPACE_ERRNOS:
+                raise
+            raise no_space_error(exc, folder, None) from None
+    try:
+        yield
+    except BaseException as exc:
+        if not _no_space(exc):
+            shutil.rmtree(kept, ignore_errors=True)
+            raise
+        if existed:
+            replace_dir(kept, folder)
+        elif folder.is_dir():
+            remove_dir(folder)
+        if isinstance(exc, OSError):
+            raise no_space_error(exc, folder, None) from None
+        if exc.path == folder and exc.os_error is not None:  # say "unchanged" only if it is
+            raise no_space_error(exc.os_error, folder, exc.needed_bytes) from None
+        raise
+    shutil.rmtree(kept, ignore_errors=True)
+
+
+@contextmanager
+def reported_as_no_space(path: Path) -> Iterator[None]:
+    """Report a write inside the block that fails for lack of space (an ``OSError`` of
+    :data:`NO_SPACE_ERRNOS`) as a :class:`NoSpaceError` naming ``path``, the file or folder
+    being written: for writers that raise the bare ``OSError`` (dvclive)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in NO_SPACE_ERRNOS:
+            raise
+        raise no_space_error(exc, path, None) from None
 
 
 class OutputsBusyError(UserError):

@@ -5,7 +5,9 @@ A model file is a ``torch.save`` record of plain values (loaded with ``weights_o
 ``net`` (``generator`` or ``discriminator``), ``model`` (the params section that shapes the
 network), ``image_size``, ``channels``, ``num_classes`` (conditional models only),
 ``images_seen`` (how far training went; files written before it was recorded lack it),
-``numerics`` (:func:`ganpipe.runtime.numerics_record`) and ``state_dict``. The feature
+``init_from`` (fine-tuned models only: ``path`` and ``sha256`` of the train.init_from file
+the weights started from), ``numerics`` (:func:`ganpipe.runtime.numerics_record`) and
+``state_dict``. The feature
 network's file (:func:`ganpipe.featurenet.record`) is read here too, for :func:`describe`.
 """
 
@@ -165,8 +167,9 @@ def describe(path: Path) -> dict[str, Any]:
     """What a model file says about itself, for ``ganpipe info``: its network (``net``,
     ``arch``, ``image_size``, ``channels``, ``num_classes``: None when unconditional), how far
     it was trained (``kimg``: None in files older than the record of it), its number of
-    parameters, then the rest of the record (``model``, ``numerics``...) but the weights. The
-    network is rebuilt from the file, so a file described here is one the pipeline can use.
+    parameters, then the rest of the record (``model``, ``numerics``, a fine-tuned model's
+    ``init_from``...) but the weights. The network is rebuilt from the file, so a file
+    described here is one the pipeline can use.
 
     Raises:
         ModelFileError: there is no file at ``path``, or it is not a model file of the train

@@ -179,7 +179,9 @@ class DevicesParams(_Section):
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Collective backend; auto: nccl on CUDA, gloo on CPU."""
     timeout_s: int = Field(300, ge=5, le=86400)
-    """Seconds a collective may wait before the run fails (a dead or stuck rank)."""
+    """Seconds a collective may wait before the run fails (a dead or stuck rank). Also the
+    longest the other ranks wait while rank 0 alone measures FID while training (one
+    train.metrics_kimg point, or the val split's first pass through the extractor)."""
     cpu_threads: int = Field(2, ge=1, le=256)
     """Intra-op threads per process. On CPU the thread count changes the bits of the result,
     so it is part of the run's configuration."""

@@ -60,17 +60,20 @@ class Ruler:
     ) -> dict[str, float]:
         """``{FID: ..., KID: ...}`` of ``g_ema`` (eval mode, no gradients), on every rank.
 
-        The main rank computes; the others wait in the broadcast of its result (within
-        ``devices.timeout_s``). The EMA is the same on every rank, so this is one process's
-        value.
+        The main rank computes; the others wait in the broadcast of its result, which must
+        come within ``devices.timeout_s`` (:meth:`DistContext.wait_for_main`). The EMA is
+        the same on every rank, so this is one process's value.
+
+        Raises:
+            WaitTimeoutError: on a rank other than 0, the measurement outlasted
+                devices.timeout_s (gloo); the message names the keys that size it.
         """
         # torchmetrics loads torchvision and torch._dynamo (seconds of start-up): only in
         # runs that measure.
         from ganpipe import evaluation
 
-        scores = None
+        scores, settings = None, self.identity
         if context.is_main:
-            settings = self.identity
             fake = evaluation.generated_features(
                 g_ema,
                 self.extractor,
@@ -90,7 +93,15 @@ class Ruler:
                 settings["seed"],
             )
             scores = {FID: evaluation.fid(self.real, fake), KID: kid_mean}
-        return context.broadcast_object(scores)
+        return context.wait_for_main(
+            scores,
+            f"a FID/KID measurement while training (train.metrics_num_samples="
+            f"{settings['num_samples']}, eval.feature_extractor="
+            f"{settings['ruler']['extractor']}, eval.batch_size={settings['batch_size']}; "
+            "one every train.metrics_kimg)",
+            "raise devices.timeout_s above what one measurement takes on rank 0, lower "
+            "train.metrics_num_samples, or set train.metrics_kimg 0",
+        )
 
 
 def is_better(fid: float, best: dict | None) -> bool:

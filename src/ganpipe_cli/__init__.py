@@ -13,7 +13,9 @@ It calls the library functions the stages call (:func:`ganpipe.sampling.sample_p
 :func:`ganpipe.scoring.score`, :func:`ganpipe.modelfile.describe`), pins the CPU numerics
 before torch loads as the stages do (the params of ``--params FILE``, else the defaults, so
 the bits are the stages'), and reports user errors as they do: one ``error:`` line and exit
-status 2 (:data:`ganpipe.errors.USER_ERRORS`). Nothing here imports torch at module level.
+status 2 (:data:`ganpipe.errors.USER_ERRORS`). Output into a pipe whose reader has gone
+(``| head -1``) ends quietly, with status 141 as SIGPIPE gives other commands. Nothing here
+imports torch at module level.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -273,6 +277,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     try:
         args.run(args)
+        sys.stdout.flush()  # here, where a reader that has gone is caught below
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except BrokenPipeError:
+        # The reader of the output has closed it (`ganpipe info FILE | head -1`): stop
+        # quietly with the status of a Unix tool that SIGPIPE ended. stdout goes to
+        # /dev/null first, or Python's own flush at exit would fail again and say so.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(128 + signal.SIGPIPE)
