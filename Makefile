@@ -20,8 +20,8 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 # experiment with `dvc exp push`. `make worker GPU=N` adds a worker whose runs see only GPU N
 # (CUDA_VISIBLE_DEVICES), here or on any machine with the package installed and the server's
 # .state/prefect.env copied over. `make stop` stops what both started; `make flow-runs` lists
-# the runs. SERVE_ARGS go to `python -m flows.service start`, e.g.
-# SERVE_ARGS="--pipeline 60 --sweep off --gpu 0". Docs: docs/orchestration.md, docs/team.md.
+# the runs. SERVE_ARGS go to `python -m flows.service start`, e.g. SERVE_ARGS="--gpu 0 --limit 2";
+# schedules are in prefect.yaml. Docs: docs/orchestration.md, docs/team.md.
 PREFECT_PORT ?= 4200
 PREFECT_DB ?=
 REPO ?=

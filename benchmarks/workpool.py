@@ -51,12 +51,14 @@ def run_sweep(project: Path, workers: int, query_s: float, name: str, seed: int)
     env = service.start(
         state,
         service.free_port(),
-        {"pipeline": "off", "sweep": "off"},
         project=project,
         local_worker=False,
         extra_env=quick,
     )
     try:
+        tools = service.tool_env(env, state)
+        for deployment in (service.DEPLOYMENTS["pipeline"], service.DEPLOYMENTS["sweep"]):
+            service.prefect(["deployment", "schedule", "clear", deployment, "-y"], tools)
         for index in range(workers):
             service.start_worker(
                 state,

@@ -5,7 +5,7 @@
 ``prefect server start`` in the background (on 127.0.0.1, basic auth, CORS limited to its
 own UI, SQLite in ``.state/prefect`` or ``--database-url``), ``prefect work-pool create``,
 ``prefect variable set ganpipe_repo`` (what every run clones), ``prefect deploy --all``
-(prefect.yaml), the schedules asked for, two automations (a run whose heartbeats stop, or
+(prefect.yaml, with its schedules), two automations (a run whose heartbeats stop, or
 whose process never starts, is marked Crashed) and two ``prefect worker start``: one for the
 ``experiments`` queue (``--gpu``), one for the ``sweeps`` queue.
 
@@ -161,23 +161,6 @@ def api(env: dict[str, str], path: str, body: dict | None = None):
         return json.loads(answer.read() or b"null")
 
 
-def schedule_args(text: str) -> list[str] | None:
-    """``"0 2 * * *"`` -> cron, ``"3600"`` -> every 3600 s, ``"off"`` -> None.
-
-    Raises:
-        ValueError: neither a 5-field cron string, a positive number, nor ``off``.
-    """
-    text = text.strip()
-    if text.lower() in ("off", "none", ""):
-        return None
-    with contextlib.suppress(ValueError):
-        if float(text) > 0:
-            return ["--interval", text]
-    if len(text.split()) != 5:
-        raise ValueError(f"schedule {text!r}: use a cron string ('0 2 * * *'), seconds or 'off'")
-    return ["--cron", text, "--timezone", "UTC"]
-
-
 def automations(crash_after_s: float, start_within_s: float) -> None:
     """A flow run that sent a heartbeat and then nothing for ``crash_after_s`` (its machine
     died), or that a worker took but whose process did not start running within
@@ -221,7 +204,6 @@ def automations(crash_after_s: float, start_within_s: float) -> None:
 def start(
     state_dir: Path,
     port: int,
-    schedules: dict[str, str],
     project: Path = PROJECT_ROOT,
     repo: str | None = None,
     host: str = HOST,
@@ -236,7 +218,6 @@ def start(
     """Server, deployments, automations, workers; return URL and credential.
 
     Args:
-        schedules: ``pipeline`` and ``sweep`` -> cron, seconds or ``off`` (None: prefect.yaml's).
         project: The checkout whose prefect.yaml is deployed.
         repo: What runs clone (default: ``project``); a team's git remote URL.
         database_url: The server's database (default SQLite in ``state_dir/prefect``).
@@ -267,14 +248,7 @@ def start(
             raise RuntimeError(f"prefect server on {host}:{port} exited")
         prefect(["work-pool", "create", POOL, "--type", "process", "--overwrite"], tools)
         prefect(["variable", "set", "ganpipe_repo", repo or str(project), "--overwrite"], tools)
-        prefect(["--no-prompt", "deploy", "--all"], tools, cwd=project)
-        for key, text in schedules.items():
-            how = schedule_args(text)
-            name = DEPLOYMENTS[key]
-            if how is None:
-                prefect(["deployment", "schedule", "clear", name, "-y"], tools)
-            else:
-                prefect(["deployment", "schedule", "create", name, *how, "--replace", "-y"], tools)
+        prefect(["--no-prompt", "deploy", "--all"], tools, cwd=project)  # prefect.yaml's schedules
         from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
         settings = {PREFECT_API_URL: env["PREFECT_API_URL"]}
@@ -424,8 +398,6 @@ def main() -> None:
     begin.add_argument("--host", default=HOST, help="address to listen on (docs/team.md)")
     begin.add_argument("--database-url", default=None, help="default SQLite in .state/prefect")
     begin.add_argument("--repo", default=None, help="what runs clone (default this project)")
-    begin.add_argument("--pipeline", default=None, help="cron, seconds or off")
-    begin.add_argument("--sweep", default=None, help="cron, seconds or off")
     begin.add_argument("--crash-after", type=float, default=3 * HEARTBEAT_S)
     begin.add_argument("--gpu", default=None, help="CUDA_VISIBLE_DEVICES of the local worker")
     begin.add_argument("--limit", type=int, default=1, help="runs the local worker takes at once")
@@ -443,13 +415,9 @@ def main() -> None:
         elif args.action == "worker":
             print(worker_main(args))
         else:
-            schedules = {k: getattr(args, k) for k in ("pipeline", "sweep") if getattr(args, k)}
-            for text in schedules.values():
-                schedule_args(text)
             env = start(
                 STATE_DIR,
                 args.port,
-                schedules,
                 repo=args.repo,
                 host=args.host,
                 database_url=args.database_url,

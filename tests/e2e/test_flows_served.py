@@ -84,16 +84,29 @@ def served(project, workspace_before, runs_dir, tmp_path_factory):
     env = service.start(
         state_dir,
         service.free_port(),
-        {"pipeline": str(INTERVAL_S), "sweep": "off"},
         project=project,
         limit=2,
         start_within_s=START_WITHIN_S,
         extra_env={**quick, "TMPDIR": str(runs_dir)},
     )
     try:
+        schedule(env, state_dir, PIPELINE, "--interval", str(INTERVAL_S))
+        schedule(env, state_dir, SWEEP)
         yield env, state_dir
     finally:
         service.stop(state_dir)
+
+
+def schedule(env: dict, state_dir: Path, deployment: str, *how: str) -> None:
+    """Replace the schedules prefect.yaml gave ``deployment`` (``--interval S``, ``--cron
+    C``), or clear them (no ``how``), with Prefect's own CLI as a user would."""
+    tools = service.tool_env(env, state_dir)
+    if how:
+        service.prefect(
+            ["deployment", "schedule", "create", deployment, *how, "--replace", "-y"], tools
+        )
+    else:
+        service.prefect(["deployment", "schedule", "clear", deployment, "-y"], tools)
 
 
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ from tests.e2e.test_flows_served import (
     no_clone_left,
     processes_in,
     request,
+    schedule,
     start_run,
     wait_final,
 )
@@ -172,7 +173,6 @@ def team(project, remotes, postgres, runs_dir, tmp_path_factory):
     env = service.start(
         state_dir,
         service.free_port(),
-        {"pipeline": "off", "sweep": "off"},
         project=project,
         repo=str(remotes / "git"),
         database_url=postgres,
@@ -181,6 +181,8 @@ def team(project, remotes, postgres, runs_dir, tmp_path_factory):
         extra_env=QUICK | {"TMPDIR": str(runs_dir)},
     )
     try:
+        schedule(env, state_dir, PIPELINE)
+        schedule(env, state_dir, SWEEP)
         for name, gpu in GPUS.items():
             start_gpu_worker(state_dir, env, name, gpu, runs_dir)
         yield env, state_dir

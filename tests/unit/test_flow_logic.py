@@ -223,14 +223,6 @@ def test_the_worker_refuses_to_send_the_credential_to_another_server(tmp_path, m
     assert started[0][1]["PREFECT_API_URL"] == "http://127.0.0.1:4321/api"
 
 
-def test_schedules_parse_cron_interval_and_off():
-    assert service.schedule_args("0 2 * * *") == ["--cron", "0 2 * * *", "--timezone", "UTC"]
-    assert service.schedule_args("90") == ["--interval", "90"]
-    assert service.schedule_args("off") is None
-    with pytest.raises(ValueError, match="cron string"):
-        service.schedule_args("nightly")
-
-
 # -- sweep -----------------------------------------------------------------------------
 
 
