@@ -161,44 +161,27 @@ def api(env: dict[str, str], path: str, body: dict | None = None):
         return json.loads(answer.read() or b"null")
 
 
-def automations(crash_after_s: float, start_within_s: float) -> None:
-    """A flow run that sent a heartbeat and then nothing for ``crash_after_s`` (its machine
-    died), or that a worker took but whose process did not start running within
-    ``start_within_s`` (a command that fails), is marked Crashed (Prefect's zombie recipe)."""
+def automations(project: Path, crash_after_s: float, start_within_s: float) -> None:
+    """The automations of ``project/automations.yaml``, replacing those of the same names: a
+    flow run that sent a heartbeat and then nothing for ``crash_after_s`` (its machine died),
+    or that a worker took but whose process did not start running within ``start_within_s``
+    (a command that fails), is marked Crashed (Prefect's zombie recipe)."""
+    import yaml
     from prefect.automations import Automation
-    from prefect.client.schemas.objects import StateType
-    from prefect.events.actions import ChangeFlowRunState
-    from prefect.events.schemas.automations import EventTrigger, Posture
-    from prefect.events.schemas.events import ResourceSpecification
     from prefect.exceptions import ObjectNotFound
 
-    final = {f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")}
-    specs = [
-        ("heartbeat", "prefect.flow-run.heartbeat", {"prefect.flow-run.heartbeat"}, crash_after_s),
-        ("start", "prefect.flow-run.Pending", {"prefect.flow-run.Running"}, start_within_s),
-    ]
-    for name, after, expect, within in specs:
-        title = f"ganpipe: crash runs without {name}"
+    spec = yaml.safe_load((project / "automations.yaml").read_text())["automations"]
+    bounds = {
+        "prefect.flow-run.heartbeat": crash_after_s,
+        "prefect.flow-run.Pending": start_within_s,
+    }
+    for automation in spec:
+        within = automation["trigger"]["within"] = bounds[automation["trigger"]["after"][0]]
+        for action in automation["actions"]:
+            action["message"] = action["message"].format(within=within)
         with contextlib.suppress(ValueError, ObjectNotFound):
-            Automation.read(name=title).delete()
-        Automation(
-            name=title,
-            trigger=EventTrigger(
-                after={after},
-                expect=expect | final,
-                match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
-                for_each={"prefect.resource.id"},
-                posture=Posture.Proactive,
-                threshold=1,
-                within=datetime.timedelta(seconds=within),
-            ),
-            actions=[
-                ChangeFlowRunState(
-                    state=StateType.CRASHED,
-                    message=f"no {name} for {within:g} s: its process or machine is gone",
-                )
-            ],
-        ).create()
+            Automation.read(name=automation["name"]).delete()
+        Automation.model_validate(automation).create()
 
 
 def start(
@@ -253,7 +236,7 @@ def start(
 
         settings = {PREFECT_API_URL: env["PREFECT_API_URL"]}
         with temporary_settings({**settings, PREFECT_API_AUTH_STRING: env[AUTH]}):
-            automations(crash_after_s, start_within_s)
+            automations(project, crash_after_s, start_within_s)
         start_worker(state_dir, env, SWEEPS, SWEEP_LIMIT, gpu="", extra_env=extra_env)
         if local_worker:
             start_worker(state_dir, env, EXPERIMENTS, limit, gpu=gpu, extra_env=extra_env)
