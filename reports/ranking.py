@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ganpipe.checkpoint import write_bytes_atomic
+from ganpipe.files import write_bytes_atomic
 from ganpipe.overrides import flatten
 
 #: Train-stage measurements shown beside the ranking metric (dotted keys of its metrics).

@@ -7,7 +7,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 import pickle
 import zipfile
 from collections.abc import Callable
@@ -19,48 +18,15 @@ import torch
 from ganpipe import cpu
 from ganpipe.errors import UserError
 from ganpipe.files import (
-    NO_SPACE_ERRNOS,
     TMP_MARK,
     NoSpaceError,
     file_sha256,
     free_space_text,
-    no_space_error,
     size_text,
+    write_bytes_atomic,  # where it was first: most callers import it from here
 )
 
 log = logging.getLogger(__name__)
-
-
-def write_bytes_atomic(data: bytes, path: Path) -> None:
-    """Write ``data`` to a temporary file beside ``path``, fsync it, then rename over ``path``.
-
-    A reader (or a crash) sees the old file or the new one, never a partial one.
-
-    Raises:
-        NoSpaceError: the disk, a quota or the file-size limit had no room for ``data``; the
-            message says how much was needed and what is free where. ``path`` is unchanged.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
-    try:
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        if exc.errno not in NO_SPACE_ERRNOS:
-            raise
-        raise no_space_error(exc, path, len(data)) from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
 
 
 def torch_bytes(obj: Any) -> bytes:

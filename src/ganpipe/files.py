@@ -105,6 +105,38 @@ def no_space_error(exc: OSError, path: Path, needed_bytes: int | None) -> NoSpac
     )
 
 
+def write_bytes_atomic(data: bytes, path: Path) -> None:
+    """Write ``data`` to a temporary file beside ``path``, fsync it, then rename over ``path``.
+
+    A reader (or a crash) sees the old file or the new one, never a partial one.
+
+    Raises:
+        NoSpaceError: the disk, a quota or the file-size limit had no room for ``data``; the
+            message says how much was needed and what is free where. ``path`` is unchanged.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno not in NO_SPACE_ERRNOS:
+            raise
+        raise no_space_error(exc, path, len(data)) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
 def exchange(a: Path, b: Path) -> bool:
     """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
     libc = ctypes.CDLL(None, use_errno=True)
