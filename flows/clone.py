@@ -42,6 +42,13 @@ TRANSIENT = re.compile(
 )
 #: Experiment and sweep names: a safe part of a git ref name and of a file name.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}")
+#: A commit to start from: a sha, a branch or a tag (``HEAD~1`` too); never an option.
+REVISION = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_./~^-]{0,199}")
+#: What the worker's credential and server address are: no stage or git command gets them.
+PRIVATE_ENV = ("PREFECT_API_AUTH_STRING", "PREFECT_API_KEY", "PREFECT_API_URL")
+#: The mark the deployments' pull step leaves in a clone it made (prefect.yaml): only such a
+#: folder is removed when the run ends.
+CLONE_MARK = Path(".git") / "ganpipe-run-clone"
 #: How DVC reports what ``dvc exp run`` did with each stage.
 STAGE_LINE = re.compile(r"(Running stage|Stage) '([^']+)'( is cached| didn't change)?")
 
@@ -96,7 +103,7 @@ def run(args: list[str], cwd: Path, log: Callable[[str], None] | None = None) ->
     command = [sys.executable, "-m", "dvc", *args[1:]] if args[0] == "dvc" else args
     python_path = [str(Path(cwd).resolve() / "src"), os.environ.get("PYTHONPATH", "")]
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k not in PRIVATE_ENV},
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "PYTHONPATH": os.pathsep.join(p for p in python_path if p),
         "DVC_NO_ANALYTICS": "1",
@@ -148,8 +155,9 @@ def kill_children() -> None:
 
 @contextlib.contextmanager
 def owned(root: Path) -> Iterator[Path]:
-    """The run's clone ``root``, removed when the block ends however it ends; cancelled (the
-    worker's SIGTERM) or ^C, the stages this process started are killed first."""
+    """The run's clone ``root``, removed when the block ends however it ends (a folder the
+    deployments' pull step made, :data:`CLONE_MARK`; any other folder is left alone);
+    cancelled (the worker's SIGTERM) or ^C, the stages this process started are killed first."""
     try:
         yield root
     except BaseException as exc:
@@ -157,8 +165,9 @@ def owned(root: Path) -> Iterator[Path]:
             kill_children()
         raise
     finally:
-        os.chdir(root.parent)  # a process whose folder is gone cannot ask where it is
-        shutil.rmtree(root, ignore_errors=True)
+        if (root / CLONE_MARK).is_file() and not (root / CLONE_MARK).is_symlink():
+            os.chdir(root.parent)  # a process whose folder is gone cannot ask where it is
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def check_name(kind: str, name: str) -> str:
@@ -186,11 +195,17 @@ def prepare(root: Path, commit: str | None, log: Callable[[str], None]) -> tuple
         ParamsError: ``commit`` is no commit of the origin.
     """
     if commit:
+        if not REVISION.fullmatch(commit):
+            problem = ("commit", f"{commit!r} is no sha, branch or tag")
+            raise ParamsError("commit", [problem])
         try:
             if subprocess.run(
                 ["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=root, capture_output=True
             ).returncode:
-                run(["git", "fetch", "-q", "--depth", "1", "origin", commit], root)
+                run(
+                    ["git", "fetch", "-q", "--depth", "1", "--end-of-options", "origin", commit],
+                    root,
+                )
             run(["git", "checkout", "-q", "--detach", commit], root)
         except DvcCommandError:
             problem = ("commit", f"{commit!r} is not a commit of the project")

@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -56,19 +57,27 @@ QUERY_S = 2
 SWEEP_LIMIT = 4
 
 
+def private_fd(path: Path, flags: int = os.O_WRONLY) -> int:
+    """``path`` opened as mode 0600 whatever existed before (opened with the mode, then
+    ``fchmod``); a symbolic link there is refused (OSError), never followed."""
+    fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
 def private_file(path: Path, text: str | None = None) -> Path:
-    """``path`` (written with ``text``) as mode 0600 whatever existed before: opened with the
-    mode, then ``fchmod``."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if text is not None else 0), 0o600)
-    with os.fdopen(fd, "w") as handle:
-        os.fchmod(handle.fileno(), 0o600)
-        if text is not None:
-            handle.write(text)
+    """``path`` (written with ``text``) as mode 0600 (:func:`private_fd`)."""
+    truncate = os.O_TRUNC if text is not None else 0
+    with os.fdopen(private_fd(path, os.O_WRONLY | truncate), "w") as handle:
+        handle.write(text or "")
     return path
 
 
 def private_dir(path: Path) -> Path:
+    """The folder ``path`` as mode 0700; a symbolic link there is refused."""
     path.mkdir(parents=True, exist_ok=True)
+    if path.is_symlink():
+        raise OSError(f"{path} is a symbolic link; the credential's folders must not be")
     os.chmod(path, 0o700)
     return path
 
@@ -96,9 +105,15 @@ def client_env(state_dir: Path, port: int, host: str = HOST) -> dict[str, str]:
 
 
 def tool_env(env: dict[str, str], state_dir: Path) -> dict[str, str]:
-    """The environment of every ``prefect`` command and process started here."""
+    """The environment of every ``prefect`` command and process started here: the server is
+    reached directly, never through a proxy of the environment (which would see the
+    credential)."""
+    host = urllib.parse.urlsplit(env["PREFECT_API_URL"]).hostname or HOST
+    bypass = ",".join(filter(None, [os.environ.get("NO_PROXY", ""), host]))
     return {
         **os.environ,
+        "NO_PROXY": bypass,
+        "no_proxy": bypass,
         **env,
         "PREFECT_HOME": str(private_dir(state_dir / "prefect")),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -128,7 +143,7 @@ def background(args: list[str], env: dict[str, str], log: Path, pid: Path) -> su
     Not ``prefect server start --background``: that hands the server pipes nobody reads once
     it has returned, so the first warning it prints kills it (EPIPE).
     """
-    with open(private_file(log), "ab") as out:
+    with os.fdopen(private_fd(log, os.O_WRONLY | os.O_APPEND), "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "prefect", *args],
             env=env,
@@ -157,7 +172,8 @@ def api(env: dict[str, str], path: str, body: dict | None = None):
         data=None if body is None else json.dumps(body).encode(),
         headers={"Content-Type": "application/json", "Authorization": f"Basic {token}"},
     )
-    with urllib.request.urlopen(request, timeout=5) as answer:
+    no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # credential: direct
+    with no_proxy.open(request, timeout=5) as answer:
         return json.loads(answer.read() or b"null")
 
 

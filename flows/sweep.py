@@ -24,14 +24,16 @@ The sweep runs on the ``sweeps`` queue's worker, its experiments on the ``experi
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
+import math
 import re
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -42,6 +44,7 @@ from prefect.runtime import flow_run as this_flow_run
 from prefect.runtime import task_run as this_task_run
 from prefect.states import Cancelled, Cancelling
 from prefect.task_runners import ThreadPoolTaskRunner
+from pydantic import Field
 
 from flows import clone
 from flows.pipeline import (
@@ -60,6 +63,8 @@ DEFAULT_GRID: dict[str, list[Any]] = {
     "precision": ["fp32", "bf16"],
     "seed": [0, 1],
 }
+#: The most combinations one sweep runs (each is a flow run and a thread of the sweep).
+MAX_POINTS = 256
 #: Shared by every run of the default sweep: short training (20k images per run).
 DEFAULT_BASE: dict[str, Any] = {"train.kimg": 20}
 
@@ -79,11 +84,17 @@ def plan_runs(
     empty = [key for key, values in grid.items() if not isinstance(values, list) or not values]
     if empty:
         raise ParamsError("grid", [(str(key), "needs a non-empty list of values") for key in empty])
+    if (points := math.prod(len(values) for values in grid.values())) > MAX_POINTS:
+        problem = f"{points} combinations; a sweep runs at most {MAX_POINTS}: split it"
+        raise ParamsError("grid", [("grid", problem)])
     runs = {}
     for combo in itertools.product(*grid.values()):
         settings = dict(zip(grid, combo, strict=True))
-        slug = "-".join(re.sub(r"[^A-Za-z0-9_]+", "_", str(v)) for v in combo)
-        runs[clone.check_name("experiment", f"{sweep_name}-{slug}"[:100])] = settings
+        name = f"{sweep_name}-" + "-".join(re.sub(r"[^A-Za-z0-9_]+", "_", str(v)) for v in combo)
+        if len(name) > 100 or name in runs:  # cut, or two values alike once slugged
+            digest = hashlib.sha256(json.dumps(settings, default=str).encode()).hexdigest()
+            name = f"{name[:91]}-{digest[:8]}"
+        runs[clone.check_name("experiment", name)] = settings
     return runs
 
 
@@ -231,8 +242,8 @@ def sweep(
     metric: str = "fid",
     higher_is_better: bool = False,
     sweep_name: str | None = None,
-    parallel: int = 0,
-    retries: int = 0,
+    parallel: Annotated[int, Field(ge=0, le=MAX_POINTS)] = 0,
+    retries: Annotated[int, Field(ge=0, le=5)] = 0,
 ) -> dict[str, Any]:
     """Run a grid of DVC experiments and publish their comparison.
 
@@ -250,13 +261,15 @@ def sweep(
     log = run_logger()
     root = Path.cwd()
     with clone.owned(root):
-        if parallel < 0:
-            raise ParamsError("parallel", [("parallel", f"{parallel}: give 0 (all) or more")])
         grid = DEFAULT_GRID if grid is None else grid
         base = DEFAULT_BASE if base is None else base
         sweep_name = clone.check_name(
             "sweep_name", sweep_name or time.strftime("sweep-%Y%m%d-%H%M%S")
         )
+        folder = report_folder(root) or root / "reports" / "sweeps"
+        if (folder / f"{sweep_name}.md").exists():  # a report is never overwritten
+            taken = f"{folder}/{sweep_name}.md exists; choose another name, or remove it"
+            raise ParamsError("sweep_name", [("sweep_name", taken)])
         commit = clone.run(["git", "rev-parse", "HEAD"], root).strip()
         planned = plan_runs(grid, base, sweep_name)
         overrides = validate_runs((root / "params.yaml").read_text(), planned, base)
@@ -308,7 +321,6 @@ def sweep(
             "where": "the workers of work pool `ganpipe` (column *ran on*)",
             "experiments": "`dvc exp show`; `dvc exp apply NAME` restores one in the workspace",
         }
-        folder = report_folder(root) or root / "reports" / "sweeps"
         result = publish_report(
             planned, found, metric, higher_is_better, folder, sweep_name, context
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -102,8 +103,8 @@ def ruler_of(metrics: Mapping[str, Any]) -> str | None:
     for data in metrics.values():
         flat = flatten(data)
         extractor, val = flat.get("ruler.extractor_sha256"), flat.get("ruler.val_sha256")
-        if isinstance(extractor, str) and isinstance(val, str):
-            return f"{extractor[:12]}/{val[:12]}"
+        if isinstance(extractor, str) and isinstance(val, str):  # hex only: shown unquoted
+            return "/".join(re.sub("[^0-9a-f]", "?", h[:12].lower()) for h in (extractor, val))
     return None
 
 

@@ -16,7 +16,30 @@ from typing import Any
 
 from ganpipe.params import ParamsError, parse_params, read_yaml
 
-__all__ = ["ParamsError", "apply_overrides", "check_inside", "flatten", "validate_overrides"]
+__all__ = [
+    "MACHINE_KEYS",
+    "ParamsError",
+    "apply_overrides",
+    "check_inside",
+    "flatten",
+    "validate_overrides",
+]
+
+#: Keys that describe the machine a run is on, or name its files, rather than the experiment:
+#: set in params.yaml (a commit), never by a caller. From a caller they would join another
+#: host's rendezvous (whose store torchrun unpickles), probe any file of the worker, or lift
+#: the bound on processes per machine.
+MACHINE_KEYS = frozenset(
+    {
+        "devices.nnodes",
+        "devices.node_rank",
+        "devices.rdzv_endpoint",
+        "devices.backend",
+        "devices.oversubscribe",
+        "eval.inception_weights",
+        "eval.inception_sha256",
+    }
+)
 
 
 def check_inside(path: str, root: Path | None = None) -> None:
@@ -68,7 +91,8 @@ def validate_overrides(
     refused), so a typo or a bad value fails naming the key before any stage runs.
 
     Raises:
-        ParamsError: listing every problem, keys named as in params.yaml.
+        ParamsError: listing every problem, keys named as in params.yaml; a key of
+            :data:`MACHINE_KEYS`; a ``data.path`` outside the project.
     """
     overrides = dict(overrides or {})
     bad = [k for k in overrides if not isinstance(k, str) or not re.fullmatch(r"\w+(\.\w+)*", k)]
@@ -76,6 +100,10 @@ def validate_overrides(
         raise ParamsError(
             "overrides", [(str(k), "keys are dotted params names, e.g. train.kimg") for k in bad]
         )
+    local = sorted(key for key in overrides if key in MACHINE_KEYS)
+    if local:
+        fix = "it describes the machine, not the experiment: set it in params.yaml and commit it"
+        raise ParamsError("overrides", [(key, fix) for key in local])
     merged = apply_overrides(read_yaml(params_text) or {}, overrides)
     valid = parse_params(merged, f"{where} with overrides {overrides}")
     if valid.data.path:

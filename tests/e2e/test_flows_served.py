@@ -505,6 +505,10 @@ def test_sweep_runs_in_parallel_retries_a_killed_experiment_and_ranks(served, pr
         assert image.format == "PNG"
     assert {"sweep-ranking", "sweep-report"} <= set(artifacts(env, run.id))
     no_clone_left(runs_dir)
+    report_bytes = (project / "reports/sweeps/tiny.md").read_bytes()
+    again = run_and_wait(env, SWEEP, parameters)  # a report is never overwritten
+    assert again.state.is_failed() and "tiny.md exists" in again.state.message
+    assert (project / "reports/sweeps/tiny.md").read_bytes() == report_bytes
     sh(["rm", "-r", "reports/sweeps"], project)  # not tracked: the workspace's own
 
 

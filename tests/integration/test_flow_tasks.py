@@ -145,6 +145,18 @@ def test_a_run_starts_from_the_commit_it_is_given(project):
     assert (root / "delay").read_text() == "0"
     with pytest.raises(ParamsError, match="'nope' is not a commit"):
         fresh_clone(project, "nope")
+    # an option where the commit goes never reaches git (it ran as a shell command once)
+    witness = project.parent / "upload-pack-ran"
+    with pytest.raises(ParamsError, match="is no sha, branch or tag"):
+        fresh_clone(project, f"--upload-pack=touch {witness};")
+    assert not witness.exists()
+
+
+def test_stages_and_git_never_see_the_workers_credential(project, monkeypatch):
+    monkeypatch.setenv("PREFECT_API_AUTH_STRING", "ganpipe:secret")
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
+    shown = clone.run(["sh", "-c", "env"], project)
+    assert "secret" not in shown and "PREFECT_API_URL" not in shown
 
 
 def test_failing_stage_raises_its_own_message_and_is_not_retried(project):
@@ -226,19 +238,27 @@ def test_a_clone_runs_its_own_code_not_the_workspace_s(tmp_path):
 def test_the_run_removes_its_clone_however_it_ends_and_a_cancel_kills_first(tmp_path, monkeypatch):
     monkeypatch.setattr(clone, "_stopping", threading.Event())  # set by kill_children
     monkeypatch.chdir(tmp_path)
-    done = tmp_path / "done"
-    done.mkdir()
-    (done / "file").write_text("x")
+
+    def made_by_the_pull_step(name: str) -> Path:
+        folder = tmp_path / name
+        (folder / clone.CLONE_MARK).parent.mkdir(parents=True)
+        (folder / clone.CLONE_MARK).touch()
+        return folder
+
+    done = made_by_the_pull_step("done")
     with clone.owned(done):  # a run that ends well
         pass
     assert not done.exists() and Path.cwd() == tmp_path
-    failed = tmp_path / "failed"
-    failed.mkdir()
+    failed = made_by_the_pull_step("failed")
     with pytest.raises(RuntimeError), clone.owned(failed):
         raise RuntimeError("a stage failed")
     assert not failed.exists() and not clone._stopping.is_set()  # nothing was killed
-    cancelled = tmp_path / "cancelled"
-    cancelled.mkdir()
+    project = tmp_path / "project"  # a flow called in a folder no pull step made
+    (project / ".git").mkdir(parents=True)
+    with clone.owned(project):
+        pass
+    assert (project / ".git").is_dir()
+    cancelled = made_by_the_pull_step("cancelled")
 
     def run():
         with contextlib.suppress(DvcCommandError):

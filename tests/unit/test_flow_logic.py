@@ -207,6 +207,18 @@ def test_the_credential_file_is_made_once_and_0600_whatever_existed(tmp_path):
     assert again["PREFECT_API_URL"] == "http://127.0.0.1:4322/api"
 
 
+def test_the_credential_is_never_written_through_a_link_nor_sent_through_a_proxy(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    (tmp_path / "prefect.env").symlink_to(victim)
+    with pytest.raises(OSError):
+        service.client_env(tmp_path, 4321)
+    assert victim.read_text() == "mine"
+    env = {"PREFECT_API_URL": "http://10.0.0.5:4200/api", "PREFECT_API_AUTH_STRING": "a:b"}
+    tools = service.tool_env(env, tmp_path / "state")
+    assert "10.0.0.5" in tools["NO_PROXY"].split(",") and tools["no_proxy"] == tools["NO_PROXY"]
+
+
 def test_the_worker_refuses_to_send_the_credential_to_another_server(tmp_path, monkeypatch):
     import argparse
 
@@ -246,6 +258,27 @@ def test_a_bad_combination_stops_the_sweep_before_anything_runs():
         validate_runs(PARAMS, planned, {"train.kimg": 1})
     assert "sw-wgan_gp" in str(info.value) and "model.norm" in str(info.value)
     assert "sw-bce:" not in str(info.value)
+
+
+@pytest.mark.parametrize("key", sorted(ov.MACHINE_KEYS))
+def test_a_caller_cannot_set_what_describes_the_machine(key):
+    # e.g. devices.rdzv_endpoint=attacker:29400 would make torchrun unpickle its store
+    with pytest.raises(ParamsError, match=rf"{key}: it describes the machine"):
+        ov.validate_overrides(PARAMS, {key: "x"})
+
+
+def test_a_fine_tune_from_outside_the_project_is_refused():
+    with pytest.raises(ParamsError, match="'/root/models' is not a folder inside init/"):
+        ov.validate_overrides(PARAMS, {"train.init_from": "/root/models"})
+
+
+def test_grid_points_never_share_a_name_and_a_grid_is_bounded():
+    planned = plan_runs({"data.path": ["own/a-b", "own/a_b", "own/a.b"], "seed": [0, 1]}, {}, "s")
+    assert len(planned) == 6 and len({tuple(v.items()) for v in planned.values()}) == 6
+    long = plan_runs({"seed": [0, 1]}, {}, "x" * 99)
+    assert len(long) == 2 and all(len(name) <= 100 for name in long)
+    with pytest.raises(ParamsError, match="257 combinations; a sweep runs at most 256"):
+        plan_runs({"seed": list(range(257))}, {}, "big")
 
 
 @pytest.mark.parametrize("path", ["/etc", "../outside", "images/../../x"])
@@ -371,7 +404,7 @@ def test_plot_is_a_png_with_one_panel_per_measure(tmp_path):
         }
 
 
-def with_ruler(found: dict, name: str, extractor: str, val: str = "v" * 64) -> None:
+def with_ruler(found: dict, name: str, extractor: str, val: str = "f" * 64) -> None:
     record = found[name]["metrics"]["metrics/eval/metrics.json"]
     record["ruler"] = {"extractor": "featurenet", "extractor_sha256": extractor, "val_sha256": val}
 
@@ -389,8 +422,13 @@ def test_a_run_measured_with_another_ruler_is_shown_but_never_ranked_or_averaged
     assert groups[0].mean("metric") == 22.0  # s-b-1 alone, not (20 + 22) / 2
     text = report.render_markdown("T", runs, ["train.strategy"], "fid", False, {}, None)
     assert "| — | `s-b-0` | `b` | `0` | 20 (other ruler) |" in text
-    assert "Not ranked: `s-b-0` (bbbbbbbbbbbb/vvvvvvvvvvvv)" in text
-    assert "(aaaaaaaaaaaa/vvvvvvvvvvvv)" in text
+    assert "Not ranked: `s-b-0` (bbbbbbbbbbbb/ffffffffffff)" in text
+    assert "(aaaaaaaaaaaa/ffffffffffff)" in text
+    # a forged ruler record cannot add lines or markup: it is shown as hex digits only
+    with_ruler(found, "s-b-0", "\n## injected <b>" + "b" * 60)
+    runs = report.collect_runs(planned, found, "fid")
+    text = report.render_markdown("T", runs, ["train.strategy"], "fid", False, {}, None)
+    assert "(???????ec?ed/ffffffffffff)" in text and "injected" not in text
 
 
 def test_one_ruler_is_named_and_a_run_without_one_is_flagged():
