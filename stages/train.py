@@ -39,9 +39,9 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from dvclive import Live
 
 from ganpipe import dist, runtime
 from ganpipe.checkpoint import init_files, run_fingerprint, save_atomic, write_bytes_atomic
@@ -54,6 +54,9 @@ from ganpipe.params import Params
 from ganpipe.trainmetrics import BEST_PREFIX, Ruler
 from stages._cli import TRAIN_LMDB, VAL_LMDB
 from stages._launch import join, lock_outputs, verify_data
+
+if TYPE_CHECKING:
+    from dvclive import Live
 
 log = logging.getLogger("stages.train")
 MODELS = Path("models")
@@ -71,6 +74,10 @@ class MetricsError(UserError):
 
 def open_log(directory: str) -> Live:
     """A dvclive log in ``directory``, cleared first (no dvc.yaml edits, no experiments)."""
+    # Imported here: only the main rank logs, and dvclive brings requests and dvc's modules
+    # into every process that imports it (the launcher, each rank).
+    from dvclive import Live
+
     return Live(directory, dvcyaml=None, save_dvc_exp=False, report=None)
 
 
