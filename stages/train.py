@@ -41,9 +41,9 @@ import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from dvclive import Live
 
 from ganpipe import dist, runtime
 from ganpipe.checkpoint import (
@@ -65,6 +65,9 @@ from ganpipe.trainmetrics import BEST_PREFIX, Ruler
 from stages._cli import TRAIN_LMDB, VAL_LMDB
 from stages._launch import join, lock_outputs, verify_data
 
+if TYPE_CHECKING:
+    from dvclive import Live
+
 log = logging.getLogger("stages.train")
 MODELS = Path("models")
 CHECKPOINTS = Path("checkpoints")
@@ -85,6 +88,10 @@ def open_log(directory: str) -> Iterator[Live]:
     ended (its summary written) on leaving. dvclive writes in place and raises a bare
     ``OSError`` when the disk is full: that is a :class:`~ganpipe.files.NoSpaceError`
     naming ``directory``."""
+    # Imported here: only the main rank logs, and dvclive brings requests and dvc's modules
+    # into every process that imports it (the launcher, each rank).
+    from dvclive import Live
+
     with reported_as_no_space(Path(directory)):
         live = Live(directory, dvcyaml=None, save_dvc_exp=False, report=None)
     try:

@@ -19,8 +19,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torchmetrics.image.fid import FrechetInceptionDistance
-from torchmetrics.image.kid import KernelInceptionDistance
 from tqdm import tqdm
 
 from ganpipe import exact, runtime
@@ -258,6 +256,10 @@ class Features(nn.Module):
 
 def fid(real: torch.Tensor, fake: torch.Tensor) -> float:
     """Fréchet distance between Gaussians fitted to the two feature sets (torchmetrics)."""
+    # torchmetrics loads torchvision and torch._dynamo (seconds of start-up): imported where
+    # a metric is computed, so that a stage or command that refuses its inputs stops at once.
+    from torchmetrics.image.fid import FrechetInceptionDistance
+
     metric = FrechetInceptionDistance(
         feature=Features(real.shape[1]), reset_real_features=False, sync_on_compute=False
     )
@@ -275,6 +277,8 @@ def kid(
     afterwards, so the value is a function of the inputs and ``seed`` and no other random
     stream moves.
     """
+    from torchmetrics.image.kid import KernelInceptionDistance  # as in fid()
+
     with warnings.catch_warnings():  # "will save all extracted features": that is the point
         warnings.filterwarnings("ignore", message=".*save all extracted features")
         metric = KernelInceptionDistance(

@@ -1,6 +1,7 @@
 """The offline plots page (`python -m reports.build`) opened in headless Debian Chromium.
 
-A temporary clone runs the real `dvc repro` with tiny params; the page is opened from
+A copy of the e2e tests' reproduced clone (tiny params) runs the real `dvc repro` again with
+augmentation; the page is opened from
 file:// with every http(s) request blocked, as on a machine without internet. The curves are
 dvc.yaml's top-level plots: each must show its title, its axis labels and readable numbers.
 """
@@ -19,8 +20,8 @@ import yaml
 from PIL import Image
 
 from reports.build import BUNDLES, LEFT_OUT, ReportError, build_report
-from tests.e2e.test_dvc_pipeline import TINY
-from tests.helpers import REPO, clone_working_tree, debian_program, sh
+from tests.e2e.conftest import copy_project
+from tests.helpers import REPO, debian_program, sh
 
 # One worker builds the project and starts the browser once (module fixtures).
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("report")]
@@ -45,17 +46,21 @@ def chromium() -> Path:
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory) -> Path:
-    """A clone after a real `dvc repro`, using this checkout's installed vega bundles."""
+def project(tmp_path_factory, tiny_baseline) -> Path:
+    """A copy of the reproduced TINY project after a real `dvc repro` with ADA (its data and
+    feature network the baseline's: only training and what follows run again), using this
+    checkout's installed vega bundles."""
     node_modules = REPO / "reports/node_modules"
     if not node_modules.is_dir():
         pytest.fail(f"{node_modules} is missing: run `make setup` (it runs `npm ci` there)")
+    root = copy_project(tiny_baseline, tmp_path_factory.mktemp("report") / "clone")
     # augmented with ADA, so that the strength p is logged and drawn too
-    adaptive = {"augment": "translation", "augment_target": 0.6, "augment_speed_kimg": 1}
-    params = {**TINY, "train": {**TINY["train"], **adaptive}}
-    root = clone_working_tree(tmp_path_factory.mktemp("report") / "clone", params)
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["train"].update(augment="translation", augment_target=0.6, augment_speed_kimg=1)
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     (root / "reports/node_modules").symlink_to(node_modules)
-    sh(["dvc", "repro"], root)
+    ran = sh(["dvc", "repro"], root).stdout
+    assert "Running stage 'train'" in ran and "Running stage 'prepare'" not in ran, ran
     return root
 
 

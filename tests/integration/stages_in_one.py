@@ -1,9 +1,11 @@
-"""Run the featurenet, train, generate and evaluate stages in one process, in the
-current folder (a project made by ``tests.helpers.write_project``).
+"""Run the featurenet, train, generate and evaluate stages (or the STAGEs named, prepare
+among them) in one process, in the current folder (a project made by
+``tests.helpers.write_project``).
 
 Each stage's own ``main()``, after the pins of ``stages._cli.pin_cpu``, as
 ``python -m stages.NAME`` would run them: one Python start-up instead of four, which
-matters under ``qemu-x86_64`` (tests/integration/test_emulated_cpus.py).
+matters under ``qemu-x86_64`` (tests/integration/test_emulated_cpus.py), and saves the
+start-ups of a fixture's project (tests/integration/test_cli.py).
 
     python -m tests.integration.stages_in_one [STAGE ...]   # default: all four
 """

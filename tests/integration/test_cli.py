@@ -52,17 +52,24 @@ TINY = tiny_params(
 )
 
 
-def ganpipe_cmd(root: Path, *args: str) -> subprocess.CompletedProcess:
-    """``ganpipe ARGS`` in ``root``, as ``python -m ganpipe_cli`` (the console script of the
-    shared venv points at another checkout)."""
+def python_m(
+    root: Path, module: str, *args: str, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` in ``root`` with the stages' environment, output captured."""
     return subprocess.run(
-        [sys.executable, "-m", "ganpipe_cli", *args],
+        [sys.executable, "-m", module, *args],
         cwd=root,
         env=stage_env(),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
     )
+
+
+def ganpipe_cmd(root: Path, *args: str) -> subprocess.CompletedProcess:
+    """``ganpipe ARGS`` in ``root``, as ``python -m ganpipe_cli`` (the console script of the
+    shared venv points at another checkout)."""
+    return python_m(root, "ganpipe_cli", *args)
 
 
 def error_line(result: subprocess.CompletedProcess) -> str:
@@ -76,11 +83,15 @@ def error_line(result: subprocess.CompletedProcess) -> str:
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
-    """A project the stages ran in: data, feature network, a trained model, samples, metrics."""
+    """A project the stages ran in: data, feature network, a trained model, samples, metrics.
+
+    The five stages run in one process (tests.integration.stages_in_one, one start-up of
+    torch instead of five): the tests compare the command's processes with what they wrote.
+    """
     root = write_project(tmp_path_factory.mktemp("cli") / "p", TINY)
-    for stage in ("prepare", "featurenet", "train", "generate", "evaluate"):
-        result = run_stage(root, stage)
-        assert result.returncode == 0, (stage, result.stderr[-3000:])
+    stages = ("prepare", "featurenet", "train", "generate", "evaluate")
+    result = python_m(root, "tests.integration.stages_in_one", *stages, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
     return root
 
 

@@ -28,9 +28,14 @@ def test_grid_equals_torchvision_make_grid(num, channels, per_row):
 
 
 def test_stage_imports_leave_torchvision_and_dynamo_out():
+    """torchmetrics pulls both in (seconds of start-up): only a computed FID/KID imports it,
+    so a stage that refuses its inputs (evaluate too) stops at once. dvclive (requests,
+    dvc's modules) likewise: only the training rank that logs opens it, not the launcher nor
+    the other ranks."""
     code = (
-        "import sys, stages.train, stages.generate, stages.prepare; "
-        "print(sorted(m for m in ('torchvision', 'torch._dynamo') if m in sys.modules))"
+        "import sys, stages.train, stages.generate, stages.prepare, stages.featurenet, "
+        "stages.evaluate, ganpipe_cli; "
+        "print(sorted(m for m in ('torchvision', 'torch._dynamo', 'dvclive') if m in sys.modules))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
