@@ -1,4 +1,4 @@
-"""Data verified where it is read (issue 26): a flipped byte in a record or in a header page,
+"""Data verified where it is read: a flipped byte in a record or in a header page,
 or a truncated data.mdb, stops train, featurenet and evaluate with one `error:` line naming
 the database and its fixes, exit status 2, before any output is created or changed. Real
 stage subprocesses: a truncated file used to end the process with SIGBUS.

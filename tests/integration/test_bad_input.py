@@ -1,5 +1,5 @@
-"""Hostile and broken data (issue 13): every case ends in one `error:` naming the file or key,
-exit status 2, no traceback and the previous outputs untouched — or in documented behaviour
+"""Hostile and broken input data and params: every case ends in one `error:` naming the file
+or key, exit status 2, no traceback and the previous outputs untouched — or in documented behaviour
 (link loops read once, FIFOs skipped, leftovers cleared). No case may hang.
 
 Stage subprocesses are used where the exit status and stderr are the point; the rest call the
