@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ganpipe import checkpoint, dist, exact, loop, runtime, strategies, stream
+from ganpipe import checkpoint, dist, exact, files, loop, runtime, strategies, stream
 from ganpipe.checkpoint import load, load_newest_checkpoint, run_fingerprint, save_checkpoint
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.files import NoSpaceError
@@ -498,7 +498,7 @@ def test_a_full_disk_during_a_save_leaves_the_previous_checkpoints_intact(tmp_pa
     def full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint.os, "fsync", full)
+    monkeypatch.setattr(files.os, "fsync", full)  # write_bytes_atomic's fsync
     with pytest.raises(NoSpaceError, match="No space left"):
         save_checkpoint({**STATE, "images_seen": 96}, run_dir, 96, 5)
     monkeypatch.undo()
