@@ -312,7 +312,7 @@ def start_worker(
                 if worker["name"] == name and beat >= since:
                     return name
         time.sleep(0.5)
-    stop_pid(proc.pid)
+    stop_pids([proc.pid])
     (folder / f"{name}.pid").unlink(missing_ok=True)
     tail = (folder / f"{name}.log").read_text(errors="replace")[-3000:]
     raise RuntimeError(f"worker {name} did not start; its log:\n{tail}")
@@ -343,27 +343,30 @@ def running(state_dir: Path) -> list[Path]:
     return [path for path in pids if pid_of(path)]
 
 
-def stop_pid(pid: int | None, timeout_s: float = 30) -> bool:
-    """SIGTERM the process group of ``pid``, SIGKILL after ``timeout_s``."""
-    if pid is None:
-        return False
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not gone(pid):
-            time.sleep(0.2)
+def stop_pids(pids: list[int], timeout_s: float = 30) -> None:
+    """SIGTERM the process groups of ``pids`` at once, SIGKILL those left after ``timeout_s``
+    (a loaded machine's Prefect worker can take that long to shut down)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not all(gone(pid) for pid in pids):
+        time.sleep(0.2)
+    for pid in pids:
         if not gone(pid):
-            os.killpg(pid, signal.SIGKILL)
-    return True
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
 
 
 def stop(state_dir: Path) -> list[str]:
-    """Stop the workers, then the server; return the names of what was running."""
+    """Stop the workers (all at once), then the server; return the names of what ran."""
     stopped = []
-    for path in [*sorted((state_dir / "workers").glob("*.pid")), state_dir / "server.pid"]:
-        if stop_pid(pid_of(path)):
-            stopped.append(path.stem)
-        path.unlink(missing_ok=True)
+    for group in (sorted((state_dir / "workers").glob("*.pid")), [state_dir / "server.pid"]):
+        running = {path: pid for path in group if (pid := pid_of(path))}
+        stop_pids(list(running.values()))
+        stopped += [path.stem for path in running]
+        for path in group:
+            path.unlink(missing_ok=True)
     return stopped
 
 
