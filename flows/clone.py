@@ -1,19 +1,13 @@
 """Where a flow run happens: a fresh clone of the project, and DVC's own experiments.
 
-Every run works in a fresh git clone of the project's repository, made by the deployments'
-``git_clone`` pull step (prefect.yaml) in the worker's per-run temporary folder, and removed
-by the run when it ends, fails or is cancelled (:func:`owned`). Here the clone is moved to the
-commit the run starts from, its DVC cache wired (the origin's own cache on the same machine,
-otherwise its DVC remote), its overrides written into params.yaml, and the experiment made
-and returned by DVC itself: ``dvc exp run -n NAME`` and ``dvc exp push origin NAME``, so
-``dvc exp show`` / ``dvc exp apply NAME`` in the user's repository work as for any
-experiment. Nothing here writes git refs or reads dvc.yaml.
-
-Every child process starts in a session of its own and is registered, so that a cancelled
-run (SIGTERM from the worker) kills what it started (:func:`kill_children`). The flow removes
-its clone itself when it ends, whatever the end (:func:`owned`): the worker's own clean-up
-of its folder comes later, after its bookkeeping, and fails while a process still writes
-into the folder.
+The deployments' ``git_clone`` pull step (prefect.yaml) makes the clone in the worker's
+per-run folder; here it is moved to the run's commit, its DVC cache wired (the origin's on
+the same machine, else its DVC remote), the overrides written into params.yaml, and the
+experiment made and returned by DVC itself (``dvc exp run -n NAME``, ``dvc exp push origin
+NAME``). Nothing here writes git refs or reads dvc.yaml. Every child process runs in a
+session of its own, so that a cancelled run kills what it started (:func:`kill_children`);
+the run removes its clone however it ends (:func:`owned`): the worker's own clean-up comes
+after its bookkeeping and fails while a process still writes into the folder.
 """
 
 from __future__ import annotations
@@ -26,6 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -40,8 +35,9 @@ TRANSIENT = re.compile(
     r"Unable to acquire lock|Resource temporarily unavailable|Stale file handle"
     r"|Interrupted system call|exited with -\d+|Unable to create '[^']*\.lock': File exists"
 )
-#: Experiment and sweep names: a safe part of a git ref name and of a file name.
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}")
+#: Experiment and sweep names: a safe part of a git ref name and of a file name (the flows'
+#: signatures carry it, so Prefect refuses another name before a run is made).
+NAME = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$"
 #: A commit to start from: a sha, a branch or a tag (``HEAD~1`` too); never an option.
 REVISION = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_./~^-]{0,199}")
 #: What the worker's credential and server address are: no stage or git command gets them.
@@ -71,24 +67,10 @@ class DvcCommandError(RuntimeError):
         lines = [line.rstrip() for line in tail.splitlines() if line.strip()]
         wanted = [line for line in lines if re.match(r"\s*(error|ERROR)\b", line)] or lines[-10:]
         shown = " ".join(c for c in command if c not in (sys.executable, "-m"))
-        ended = (
-            "did not run"
-            if returncode is None
-            else f"killed by {signal.Signals(-returncode).name}"
-            if returncode < 0
-            else f"exited with {returncode}"
-        )
+        ended = "did not run" if returncode is None else f"exited with {returncode}"
+        if returncode is not None and returncode < 0:
+            ended = f"killed by {signal.Signals(-returncode).name}"
         super().__init__("\n".join([*dict.fromkeys(wanted), f"(`{shown}` {ended})"]))
-
-
-class ExperimentFailed(RuntimeError):
-    """An experiment run ended without success: ``state`` is ``failed``, ``crashed`` (its
-    process or machine died) or ``cancelled``; ``transient`` says whether a retry may help."""
-
-    def __init__(self, name: str, state: str, message: str):
-        self.state = state
-        self.transient = state == "crashed" or bool(TRANSIENT.search(message))
-        super().__init__(f"experiment {name} {state}: {message}")
 
 
 def run(args: list[str], cwd: Path, log: Callable[[str], None] | None = None) -> str:
@@ -124,16 +106,14 @@ def run(args: list[str], cwd: Path, log: Callable[[str], None] | None = None) ->
     with _lock:
         _children.add(proc)
     output: list[str] = []
-    try:
-        for raw in proc.stdout or []:
-            line = raw.rstrip("\n").rsplit("\r", 1)[-1]  # tqdm's redraws: the last state
-            output.append(line)
-            if line.strip() and log:
-                log(line)
-        returncode = proc.wait()
-    finally:
-        with _lock:
-            _children.discard(proc)
+    for raw in proc.stdout or []:
+        line = raw.rstrip("\n").rsplit("\r", 1)[-1]  # tqdm's redraws: the last state
+        output.append(line)
+        if line.strip() and log:
+            log(line)
+    returncode = proc.wait()
+    with _lock:  # not on the way out of a cancelled run: kill_children must still see it
+        _children.discard(proc)
     if returncode != 0:
         raise DvcCommandError(command, returncode, "\n".join(output[-TAIL_LINES:]))
     return "\n".join(output)
@@ -148,9 +128,15 @@ def kill_children() -> None:
     for proc in procs:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-    for proc in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    for proc in procs:  # until the whole group is gone: a dying process may still write
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            while time.monotonic() < deadline:
+                proc.poll()  # reaps the leader: a zombie still counts as a member
+                os.killpg(proc.pid, 0)
+                time.sleep(0.1)
+    with _lock:
+        _children.difference_update(procs)
 
 
 @contextlib.contextmanager
@@ -168,20 +154,6 @@ def owned(root: Path) -> Iterator[Path]:
         if (root / CLONE_MARK).is_file() and not (root / CLONE_MARK).is_symlink():
             os.chdir(root.parent)  # a process whose folder is gone cannot ask where it is
             shutil.rmtree(root, ignore_errors=True)
-
-
-def check_name(kind: str, name: str) -> str:
-    """``name`` if it can name an experiment or a sweep (a git ref part, a file name).
-
-    Raises:
-        ParamsError: it cannot.
-    """
-    if not NAME.fullmatch(name):
-        raise ParamsError(
-            kind,
-            [(kind, f"{name!r} is not a valid name; use up to 100 letters, digits, '-' and '_'")],
-        )
-    return name
 
 
 def prepare(root: Path, commit: str | None, log: Callable[[str], None]) -> tuple[str, bool]:
@@ -244,17 +216,12 @@ def restore_data(root: Path, params: Mapping[str, Any], shared: bool) -> None:
         with contextlib.suppress(DvcCommandError):
             run(["dvc", "checkout" if shared else "pull", path], root)
     if not (root / path).exists():
-        raise ParamsError(
-            "data.path",
-            [
-                (
-                    "data.path",
-                    f"{path!r} is tracked by neither git nor DVC in this commit, so a run "
-                    f"cannot see it; track it: dvc add {path} && git add {path}.dvc && "
-                    "git commit (and dvc push for another machine)",
-                )
-            ],
+        problem = (
+            f"{path!r} is tracked by neither git nor DVC in this commit, so a run cannot see "
+            f"it; track it: dvc add {path} && git add {path}.dvc && git commit (and dvc push "
+            "for another machine)"
         )
+        raise ParamsError("data.path", [("data.path", problem)])
 
 
 def make_experiment(

@@ -1,34 +1,29 @@
-"""The pipeline flow: one DVC experiment, made by DVC in a fresh clone of the project.
+"""The pipeline flow: one DVC experiment, made by DVC in this run's fresh clone.
 
-A deployment run starts in the clone its ``git_clone`` pull step made (prefect.yaml); the
-flow moves it to the requested commit, validates the overrides, writes them into the
-clone's params.yaml, runs ``dvc exp run -n NAME`` (unchanged stages come from the shared run
-cache) and returns the experiment with ``dvc exp push`` (:mod:`flows.clone`). The user's
-workspace is never written: the experiment appears in ``dvc exp show`` there.
-
-On demand, with the server's credentials (``. .state/prefect.env``; docs/orchestration.md)::
+The flow moves the clone (made by the deployments' pull step, prefect.yaml) to the requested
+commit, validates the overrides, and makes and returns the experiment with ``dvc exp run``
+and ``dvc exp push`` (:mod:`flows.clone`): it appears in ``dvc exp show`` in the user's
+repository, whose workspace is never written. On demand (docs/orchestration.md)::
 
     prefect deployment run ganpipe-pipeline/experiment \
         --param overrides='{"train.strategy": "g_first_detach", "precision": "bf16"}'
 
-(Without a server, ``dvc exp run -S train.strategy=g_first_detach`` makes the same experiment
-in the workspace.)
+Without a server, ``dvc exp run -S train.strategy=g_first_detach`` makes the same experiment.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.exceptions import MissingContextError
 from prefect.runtime import flow_run
+from pydantic import Field
 
 from flows import clone
 from ganpipe.overrides import apply_overrides, validate_overrides
@@ -40,43 +35,18 @@ from reports import ranking as report
 MEASURED_METRICS = ("measurements/train/metrics.json",)
 
 
-def run_logger() -> logging.Logger | logging.LoggerAdapter:
-    """The Prefect run logger inside a run; a plain logger outside one."""
-    try:
-        return get_run_logger()
-    except MissingContextError:
-        return logging.getLogger("flows")
-
-
 def retry_only_transient(task, task_run, state) -> bool:
     """``retry_condition_fn``: retry a held lock, an I/O hiccup or a killed process, never a
     stage's own error."""
     error = state.data if isinstance(state.data, BaseException) else None
     error = error or state.result(raise_on_failure=False)
-    return isinstance(error, clone.DvcCommandError | clone.ExperimentFailed) and error.transient
-
-
-def check_overrides(root: Path, overrides: dict[str, Any] | None) -> dict[str, Any]:
-    """The overrides validated against the clone's params.yaml (values as the schema has
-    them); raises ParamsError naming every bad key."""
-    text = (root / "params.yaml").read_text(encoding="utf-8")
-    return validate_overrides(text, overrides, "params.yaml of the run's commit")
+    return isinstance(error, clone.DvcCommandError) and error.transient
 
 
 @task(task_run_name="dvc exp run", retries=2, retry_condition_fn=retry_only_transient)
 def run_experiment(root: str, name: str, overrides: dict, shared: bool) -> dict[str, str]:
     """``dvc exp run -n NAME`` in the clone (after its overrides); stage -> ran/cached."""
-    return clone.make_experiment(Path(root), name, overrides, shared, run_logger().info)
-
-
-def where_it_ran() -> dict[str, str | None]:
-    """Which machine, worker and GPUs run this process (the worker's environment reaches
-    every flow run it starts: ``GANPIPE_WORKER``, ``CUDA_VISIBLE_DEVICES``)."""
-    return {
-        "host": socket.gethostname(),
-        "worker": os.environ.get("GANPIPE_WORKER"),
-        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-    }
+    return clone.make_experiment(Path(root), name, overrides, shared, get_run_logger().info)
 
 
 def publish_run(root: Path, record: dict[str, Any]) -> dict[str, Any]:
@@ -103,7 +73,7 @@ def publish_run(root: Path, record: dict[str, Any]) -> dict[str, Any]:
 @flow(name="ganpipe-pipeline")
 def pipeline(
     overrides: dict[str, Any] | None = None,
-    exp_name: str | None = None,
+    exp_name: Annotated[str | None, Field(pattern=clone.NAME)] = None,
     commit: str | None = None,
 ) -> dict[str, Any]:
     """Make one DVC experiment of every stage of dvc.yaml, in this run's fresh clone.
@@ -116,18 +86,24 @@ def pipeline(
         commit: The commit to start from (sha, branch or tag; default: the head of the
             repository the deployment clones). Uncommitted changes are never part of a run.
     """
-    log = run_logger()
+    log = get_run_logger()
     root = Path.cwd()
     with clone.owned(root):
         name = exp_name or flow_run.get_name() or time.strftime("pipeline-%Y%m%d-%H%M%S")
-        clone.check_name("exp_name", name)
         sha, shared = clone.prepare(root, commit, log.info)
-        valid = check_overrides(root, overrides)
+        params_text = (root / "params.yaml").read_text(encoding="utf-8")
+        valid = validate_overrides(params_text, overrides, "params.yaml of the run's commit")
         if name in clone.experiment_names(root):
             taken = f"{name!r} exists on {sha[:7]}; choose another, or dvc exp remove {name}"
             raise clone.ParamsError("exp_name", [("exp_name", taken)])
-        merged = apply_overrides(read_yaml((root / "params.yaml").read_text()), valid)
+        merged = apply_overrides(read_yaml(params_text), valid)
         clone.restore_data(root, merged, shared)
         stages = run_experiment(str(root), name, valid, shared)
         record = {"experiment": name, "commit": sha, "stages": stages, "overrides": valid}
-        return publish_run(root, {**record, "ran_on": where_it_ran()})
+        # where it ran: the worker's environment reaches every flow run it starts
+        ran_on = {
+            "host": socket.gethostname(),
+            "worker": os.environ.get("GANPIPE_WORKER"),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
+        return publish_run(root, {**record, "ran_on": ran_on})

@@ -1,32 +1,21 @@
 """``make serve`` / ``make worker`` / ``make stop``: Prefect's own CLI, plus what it lacks.
 
-``python -m flows.service start`` runs, with the credential file ``.state/prefect.env``
-(``PREFECT_API_URL`` and ``PREFECT_API_AUTH_STRING``, made once, mode 0600):
-``prefect server start`` in the background (on 127.0.0.1, basic auth, CORS limited to its
-own UI, SQLite in ``.state/prefect`` or ``--database-url``), ``prefect work-pool create``,
-``prefect variable set ganpipe_repo`` (what every run clones), ``prefect deploy --all``
-(prefect.yaml, with its schedules), two automations (a run whose heartbeats stop, or
-whose process never starts, is marked Crashed) and two ``prefect worker start``: one for the
-``experiments`` queue (``--gpu``), one for the ``sweeps`` queue.
+``start``: ``prefect server start`` in the background (127.0.0.1, basic auth, CORS limited to
+its own UI, SQLite in ``.state/prefect`` or ``--database-url``), the work pool, the variable
+``ganpipe_repo`` (what runs clone), ``prefect deploy --all`` (prefect.yaml), the automations
+of automations.yaml, and two ``prefect worker start`` (the ``experiments`` and ``sweeps``
+queues). ``worker``: one more experiments worker, on any machine with the package and the
+server's ``.state/prefect.env``. ``stop``: stops what both started, workers first.
 
-``python -m flows.service worker --gpu N`` starts one more experiments worker, on any
-machine with the package installed and the server's ``prefect.env`` copied into ``.state/``:
-runs clone the repository themselves, so no checkout at a particular path is needed.
-``python -m flows.service stop`` stops what both started (workers first).
-
-What Prefect's CLI lacks and this adds: starting in the background without dying on a closed
-pipe, stopping what was started, and a credential that stays home (0600 files in a 0700
-folder; the URL and the credential come from the same file, and the credential is never sent
-to another URL).
+What Prefect's CLI lacks: starting in the background without dying on a closed pipe,
+stopping what was started, and a credential that stays home (0600 files in a 0700 folder;
+URL and credential from the same file, and the credential never sent to another URL).
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
-import datetime
-import json
 import os
 import secrets
 import shlex
@@ -36,7 +25,6 @@ import subprocess
 import sys
 import time
 import urllib.parse
-import urllib.request
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -157,26 +145,6 @@ def background(args: list[str], env: dict[str, str], log: Path, pid: Path) -> su
     return proc
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on (the kernel's choice)."""
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
-
-
-def api(env: dict[str, str], path: str, body: dict | None = None):
-    """POST ``body`` (or GET) to the server's REST API, with the credentials; the JSON."""
-    token = base64.b64encode(env["PREFECT_API_AUTH_STRING"].encode()).decode()
-    request = urllib.request.Request(
-        env["PREFECT_API_URL"] + path,
-        data=None if body is None else json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "Authorization": f"Basic {token}"},
-    )
-    no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # credential: direct
-    with no_proxy.open(request, timeout=5) as answer:
-        return json.loads(answer.read() or b"null")
-
-
 def automations(project: Path, crash_after_s: float, start_within_s: float) -> None:
     """The automations of ``project/automations.yaml``, replacing those of the same names: a
     flow run that sent a heartbeat and then nothing for ``crash_after_s`` (its machine died),
@@ -235,6 +203,8 @@ def start(
         "PREFECT_SERVER_API_PORT": str(port),
         "PREFECT_SERVER_API_AUTH_STRING": env["PREFECT_API_AUTH_STRING"],
         "PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": f"http://{host}:{port}",
+        # A cancelled sweep's experiment runs (its subflows) are cancelled by this service.
+        "PREFECT_SERVER_SERVICES_CANCELLATION_CLEANUP_LOOP_SECONDS": "5",
     }
     if database_url:
         server["PREFECT_API_DATABASE_CONNECTION_URL"] = database_url
@@ -250,8 +220,9 @@ def start(
         prefect(["--no-prompt", "deploy", "--all"], tools, cwd=project)  # prefect.yaml's schedules
         from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-        settings = {PREFECT_API_URL: env["PREFECT_API_URL"]}
-        with temporary_settings({**settings, PREFECT_API_AUTH_STRING: env[AUTH]}):
+        os.environ.update(NO_PROXY=tools["NO_PROXY"], no_proxy=tools["no_proxy"])  # direct
+        settings = {PREFECT_API_URL: env["PREFECT_API_URL"], PREFECT_API_AUTH_STRING: env[AUTH]}
+        with temporary_settings(settings):
             automations(project, crash_after_s, start_within_s)
         start_worker(state_dir, env, SWEEPS, SWEEP_LIMIT, gpu="", extra_env=extra_env)
         if local_worker:
@@ -279,7 +250,7 @@ def start_worker(
     ``GANPIPE_WORKER`` to the worker's name: the runs it starts inherit both and record them.
 
     Raises:
-        RuntimeError: the worker did not register with the server within ``timeout_s``.
+        RuntimeError: the worker did not reach the server within ``timeout_s``.
     """
     node = socket.gethostname().split(".")[0]
     name = name or (f"{node}-gpu{gpu}" if queue == EXPERIMENTS and gpu else f"{node}-{queue}")
@@ -292,29 +263,24 @@ def start_worker(
         "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S),
         "PREFECT_WORKER_QUERY_SECONDS": str(QUERY_S),
         "PREFECT_WORKER_PREFETCH_SECONDS": str(QUERY_S),
+        "PREFECT_WORKER_ENABLE_CANCELLATION": "true",  # cancelled while still waiting
         **(extra_env or {}),
     }
     if gpu is not None:
         worker_env["CUDA_VISIBLE_DEVICES"] = gpu
     command = ["worker", "start", "--pool", POOL, "--work-queue", queue, "--type", "process"]
-    since = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=2)
-    proc = background(
-        [*command, "--limit", str(limit), "--name", name],
-        tool_env(worker_env, state_dir),
-        folder / f"{name}.log",
-        folder / f"{name}.pid",
-    )
+    log = folder / f"{name}.log"
+    seen = log.stat().st_size if log.exists() else 0  # the log of an earlier start
+    command += ["--limit", str(limit), "--name", name]
+    proc = background(command, tool_env(worker_env, state_dir), log, folder / f"{name}.pid")
     deadline = time.monotonic() + timeout_s
     while proc.poll() is None and time.monotonic() < deadline:
-        with contextlib.suppress(OSError, ValueError):
-            for worker in api(env, f"/work_pools/{POOL}/workers/filter", {}):
-                beat = datetime.datetime.fromisoformat(worker["last_heartbeat_time"])
-                if worker["name"] == name and beat >= since:
-                    return name
+        if f"Worker {name!r} started!".encode() in log.read_bytes()[seen:]:  # it reached the API
+            return name
         time.sleep(0.5)
     stop_pids([proc.pid])
     (folder / f"{name}.pid").unlink(missing_ok=True)
-    tail = (folder / f"{name}.log").read_text(errors="replace")[-3000:]
+    tail = log.read_text(errors="replace")[-3000:]
     raise RuntimeError(f"worker {name} did not start; its log:\n{tail}")
 
 
@@ -322,7 +288,6 @@ def pid_of(path: Path) -> int | None:
     """The pid in the file ``path`` if that process still runs (a zombie does not)."""
     try:
         pid = int(path.read_text().split()[0])
-        os.kill(pid, 0)
     except (OSError, ValueError, IndexError):
         return None
     return None if gone(pid) else pid
@@ -370,7 +335,7 @@ def stop(state_dir: Path) -> list[str]:
     return stopped
 
 
-def worker_main(args: argparse.Namespace) -> str:
+def worker_main(gpu: str | None, limit: int, name: str | None) -> str:
     """``make worker GPU=N``: one more experiments worker, for the server of prefect.env."""
     env_file = STATE_DIR / "prefect.env"
     if not env_file.exists():
@@ -384,8 +349,8 @@ def worker_main(args: argparse.Namespace) -> str:
             "unset PREFECT_API_URL, or copy that server's prefect.env"
         )
     private_file(env_file)
-    gpu = None if args.gpu in (None, "") else str(args.gpu)
-    name = start_worker(STATE_DIR, env, EXPERIMENTS, args.limit, gpu=gpu, name=args.name)
+    gpu = gpu or None
+    name = start_worker(STATE_DIR, env, EXPERIMENTS, limit, gpu=gpu, name=name)
     return (
         f"worker {name} (CUDA_VISIBLE_DEVICES={gpu if gpu is not None else 'inherited'}) takes "
         f"runs from {env['PREFECT_API_URL']}; log {STATE_DIR}/workers/{name}.log; make stop"
@@ -395,39 +360,28 @@ def worker_main(args: argparse.Namespace) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Start or stop the Prefect service.")
     sub = parser.add_subparsers(dest="action", required=True)
+    sub.add_parser("stop", help="stop what start and worker started")
     begin = sub.add_parser("start", help="server + deployments + workers")
+    work = sub.add_parser("worker", help="one more experiments worker (make worker GPU=N)")
+    for command in (begin, work):
+        command.add_argument("--gpu", default=None, help="CUDA_VISIBLE_DEVICES of its runs")
+        command.add_argument("--limit", type=int, default=1, help="runs its worker takes at once")
     begin.add_argument("--port", type=int, default=4200)
     begin.add_argument("--host", default=HOST, help="address to listen on (docs/team.md)")
     begin.add_argument("--database-url", default=None, help="default SQLite in .state/prefect")
     begin.add_argument("--repo", default=None, help="what runs clone (default this project)")
-    begin.add_argument("--crash-after", type=float, default=3 * HEARTBEAT_S)
-    begin.add_argument("--gpu", default=None, help="CUDA_VISIBLE_DEVICES of the local worker")
-    begin.add_argument("--limit", type=int, default=1, help="runs the local worker takes at once")
-    begin.add_argument("--no-worker", action="store_true", help="no local experiments worker")
-    work = sub.add_parser("worker", help="one more experiments worker (make worker GPU=N)")
-    work.add_argument("--gpu", default=None, help="CUDA_VISIBLE_DEVICES of its runs")
-    work.add_argument("--limit", type=int, default=1, help="runs it takes at once")
+    begin.add_argument("--crash-after", dest="crash_after_s", type=float, default=3 * HEARTBEAT_S)
+    begin.add_argument("--no-worker", dest="local_worker", action="store_false")
     work.add_argument("--name", default=None, help="default HOST-gpuN")
-    sub.add_parser("stop", help="stop what start and worker started")
-    args = parser.parse_args()
+    args = vars(parser.parse_args())
     try:
-        if args.action == "stop":
+        if (action := args.pop("action")) == "stop":
             stopped = stop(STATE_DIR)
             print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
-        elif args.action == "worker":
-            print(worker_main(args))
+        elif action == "worker":
+            print(worker_main(**args))
         else:
-            env = start(
-                STATE_DIR,
-                args.port,
-                repo=args.repo,
-                host=args.host,
-                database_url=args.database_url,
-                gpu=args.gpu,
-                limit=args.limit,
-                local_worker=not args.no_worker,
-                crash_after_s=args.crash_after,
-            )
+            env = start(STATE_DIR, **args)
             print(
                 f"Prefect server: {env['PREFECT_API_URL'][:-4]} (user and password in "
                 f"{STATE_DIR}/prefect.env)\nDeployments: {', '.join(DEPLOYMENTS.values())}\n"

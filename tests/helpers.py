@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -28,6 +29,13 @@ def stage_env() -> dict[str, str]:
         "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     }
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (the kernel's choice)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run_stage(root: Path, stage: str, timeout: float = 600) -> subprocess.CompletedProcess:

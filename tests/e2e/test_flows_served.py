@@ -31,7 +31,7 @@ from PIL import Image
 from flows import service
 from ganpipe.params import read_yaml
 from tests.e2e.conftest import TINY, copy_project
-from tests.helpers import experiments, sh
+from tests.helpers import experiments, free_port, sh
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("served")]
 
@@ -76,21 +76,21 @@ def runs_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def served(project, workspace_before, runs_dir, tmp_path_factory):
-    """Server + deployments (pipeline every INTERVAL_S seconds) + the local worker (two runs
-    at a time, so that a sweep's experiments can overlap) + the sweeps' worker, stopped at
-    the end."""
+    """Server + deployments (no schedules: the test of schedules sets its own) + the local
+    worker (two runs at a time, so that a sweep's experiments can overlap) + the sweeps'
+    worker, stopped at the end."""
     state_dir = tmp_path_factory.mktemp("state")
     quick = {"PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "1"}
     env = service.start(
         state_dir,
-        service.free_port(),
+        free_port(),
         project=project,
         limit=2,
         start_within_s=START_WITHIN_S,
         extra_env={**quick, "TMPDIR": str(runs_dir)},
     )
     try:
-        schedule(env, state_dir, PIPELINE, "--interval", str(INTERVAL_S))
+        schedule(env, state_dir, PIPELINE)  # no run before the test of schedules sets one
         schedule(env, state_dir, SWEEP)
         yield env, state_dir
     finally:
@@ -277,6 +277,7 @@ def test_scheduled_runs_are_experiments_with_artifacts_and_are_listed(
     served, project, tiny_baseline, runs_dir
 ):
     env, state_dir = served
+    schedule(env, state_dir, PIPELINE, "--interval", str(INTERVAL_S))
     with client(env) as c:
         deployment = c.read_deployment_by_name(PIPELINE)
 
@@ -476,15 +477,14 @@ def test_sweep_runs_in_parallel_retries_a_killed_experiment_and_ranks(served, pr
     run = wait_final(env, started.id, timeout_s=400)
     assert run.state.is_completed(), run.state.message + logs(env, run.id)
 
-    tasks = [t for n, t in task_runs(env, run.id).items() if n.startswith("experiment")]
-    spans = sorted((t.start_time, t.end_time) for t in tasks)
-    assert any(b[0] < a[1] for a, b in itertools.pairwise(spans)), spans  # two ran at once
-    # the killed stage is a transient failure: its experiment's `dvc exp run` ran again
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 
     below = FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id]))
     with client(env) as c:
         experiment_runs = c.read_flow_runs(flow_run_filter=below)
+    spans = sorted((r.start_time, r.end_time) for r in experiment_runs)
+    assert any(b[0] < a[1] for a, b in itertools.pairwise(spans)), spans  # two ran at once
+    # the killed stage is a transient failure: its experiment's `dvc exp run` ran again
     counts = sorted(task_runs(env, r.id)["dvc exp run"].run_count for r in experiment_runs)
     assert counts == [1, 1, 1, 2], counts
     assert any("exited with -9" in logs(env, r.id) for r in experiment_runs)

@@ -39,7 +39,7 @@ from tests.e2e.test_flows_served import (
     start_run,
     wait_final,
 )
-from tests.helpers import experiments, sh
+from tests.helpers import experiments, free_port, sh
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("team")]
 
@@ -103,7 +103,7 @@ def postgres():
     initdb += ["--auth=scram-sha-256", f"--pwfile={folder / 'pw'}", "-E", "UTF8"]
     made = subprocess.run([*prefix, *initdb], capture_output=True, text=True)
     assert made.returncode == 0, made.stdout + made.stderr
-    port = service.free_port()
+    port = free_port()
     listen = ["-h", "127.0.0.1", "-p", str(port), "-k", str(folder)]
     server = subprocess.Popen(
         [*prefix, str(programs / "postgres"), "-D", str(folder / "data"), *listen],
@@ -172,7 +172,7 @@ def team(project, remotes, postgres, runs_dir, tmp_path_factory):
     state_dir = tmp_path_factory.mktemp("state")
     env = service.start(
         state_dir,
-        service.free_port(),
+        free_port(),
         project=project,
         repo=str(remotes / "git"),
         database_url=postgres,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -279,3 +280,25 @@ def test_the_run_removes_its_clone_however_it_ends_and_a_cancel_kills_first(tmp_
         while time.monotonic() < deadline:
             os.killpg(sleeper[0].pid, 0)
             time.sleep(0.2)
+
+    # The worker's SIGTERM inside clone.run, in the main thread, as Prefect's handler raises it:
+    # the command being read must still be killed (it went on and wrote into the removed clone).
+    interrupted = made_by_the_pull_step("interrupted")
+    clone._stopping.clear()  # a new run
+    started = []
+
+    def terminate(signum, frame):
+        started.extend(clone._children)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, terminate)
+    try:
+        signal.alarm(2)
+        with pytest.raises(KeyboardInterrupt), clone.owned(interrupted):
+            clone.run(["sh", "-c", "sleep 60 & sleep 60; true"], interrupted)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert len(started) == 1 and not interrupted.exists() and not clone._children
+    with pytest.raises(ProcessLookupError):  # killed, not left running
+        os.killpg(started[0].pid, 0)

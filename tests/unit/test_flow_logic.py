@@ -16,7 +16,7 @@ from PIL import Image
 from prefect.states import Failed
 from ruamel.yaml import YAML
 
-from flows import clone, service
+from flows import service
 from flows.clone import DvcCommandError
 from flows.pipeline import MEASURED_METRICS, retry_only_transient
 from flows.sweep import DEFAULT_GRID, plan_runs, validate_runs
@@ -89,9 +89,17 @@ def test_overrides_are_validated_and_normalised():
 
 
 @pytest.mark.parametrize("name", ["my run", "-x", "a..b", "x.lock", "dot.", "a/b", "x" * 101])
-def test_a_bad_experiment_name_is_refused(name):
-    with pytest.raises(ParamsError, match="is not a valid name"):
-        clone.check_name("exp_name", name)
+def test_a_bad_experiment_or_sweep_name_is_refused_by_the_flows_signatures(name):
+    from prefect.exceptions import ParameterTypeError
+
+    from flows.pipeline import pipeline
+    from flows.sweep import sweep
+
+    with pytest.raises(ParameterTypeError, match="exp_name.*should match pattern"):
+        pipeline.validate_parameters({"exp_name": name})
+    with pytest.raises(ParameterTypeError, match="sweep_name.*should match pattern"):
+        sweep.validate_parameters({"sweep_name": name})
+    assert pipeline.validate_parameters({"exp_name": "a-b_9"})["exp_name"] == "a-b_9"
 
 
 def test_a_quoted_number_in_an_override_is_refused():
@@ -220,7 +228,6 @@ def test_the_credential_is_never_written_through_a_link_nor_sent_through_a_proxy
 
 
 def test_the_worker_refuses_to_send_the_credential_to_another_server(tmp_path, monkeypatch):
-    import argparse
 
     monkeypatch.setattr(service, "STATE_DIR", tmp_path)
     service.client_env(tmp_path, 4321)
@@ -228,10 +235,10 @@ def test_the_worker_refuses_to_send_the_credential_to_another_server(tmp_path, m
     started = []
     monkeypatch.setattr(service, "start_worker", lambda *a, **k: started.append(a))
     with pytest.raises(RuntimeError, match="is not the server of"):
-        service.worker_main(argparse.Namespace(gpu=None, limit=1, name=None))
+        service.worker_main(gpu=None, limit=1, name=None)
     assert not started
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4321/api")
-    service.worker_main(argparse.Namespace(gpu="0", limit=1, name=None))
+    service.worker_main(gpu="0", limit=1, name=None)
     assert started[0][1]["PREFECT_API_URL"] == "http://127.0.0.1:4321/api"
 
 
@@ -246,10 +253,14 @@ def test_default_grid_is_strategies_by_precision_by_two_seeds():
         "precision": "bf16",
         "seed": 1,
     }
-    with pytest.raises(ParamsError, match="seed: needs a non-empty list"):
-        plan_runs({"seed": []}, {}, "sw")
-    with pytest.raises(ParamsError, match="not a valid name"):
-        plan_runs({"seed": [0]}, {}, "../x")
+    from prefect.exceptions import ParameterTypeError
+
+    from flows.sweep import sweep
+
+    with pytest.raises(ParameterTypeError, match="grid.seed: List should have at least 1 item"):
+        sweep.validate_parameters({"grid": {"seed": []}})
+    with pytest.raises(ParameterTypeError, match="grid: Dictionary should have at least 1"):
+        sweep.validate_parameters({"grid": {}})
 
 
 def test_a_bad_combination_stops_the_sweep_before_anything_runs():
@@ -258,6 +269,67 @@ def test_a_bad_combination_stops_the_sweep_before_anything_runs():
         validate_runs(PARAMS, planned, {"train.kimg": 1})
     assert "sw-wgan_gp" in str(info.value) and "model.norm" in str(info.value)
     assert "sw-bce:" not in str(info.value)
+
+
+def test_the_sweep_keeps_parallel_runs_and_starts_again_only_crashed_or_transient_ones(
+    monkeypatch,
+):
+    import logging
+    import types
+    import uuid
+
+    from prefect.states import Completed, Crashed, Failed
+
+    from flows import sweep
+
+    ends = {  # experiment -> the final state of each attempt, in order
+        "a": [Crashed(message="no heartbeat"), Completed()],
+        "b": [Failed(message="error: train.lr_g must be > 0")],
+        "c": [Failed(message="Unable to acquire lock"), Crashed(message="lost")],
+    }
+    runs, started, most = {}, [], [0]
+
+    def start(name, parameters, flow_run_name, timeout, idempotency_key):
+        assert name == sweep.EXPERIMENT and timeout == 0
+        run_id = uuid.uuid4()
+        attempt = len([s for s in started if s[0] == flow_run_name])
+        runs[run_id] = types.SimpleNamespace(
+            id=run_id, state=ends[flow_run_name][attempt], start_time=None, end_time=None
+        )
+        started.append((flow_run_name, idempotency_key.rsplit(":", 1)[1]))
+        most[0] = max(most[0], len(runs) - len(set(finished)))  # a run read is final
+        return runs[run_id]
+
+    finished = []
+
+    class Client:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read_flow_run(self, run_id):
+            finished.append(run_id)
+            return runs[run_id]
+
+        def read_artifacts(self, artifact_filter):
+            return []
+
+    monkeypatch.setattr(sweep, "run_deployment", start)
+    monkeypatch.setattr(sweep, "get_client", lambda sync_client: Client())
+    monkeypatch.setattr(sweep, "POLL_S", 0)
+    found = sweep.run_experiments(
+        {n: {"seed": 0} for n in ends}, "abc", 2, 1, logging.getLogger("t")
+    )
+    assert started == [("a", "1"), ("b", "1"), ("c", "1"), ("a", "2"), ("c", "2")]
+    assert most[0] <= 2  # never more than `parallel` unfinished
+    assert found["a"]["state"] == "success"
+    assert found["b"] == {
+        "state": "failed",
+        "error": "experiment b failed: error: train.lr_g must be > 0",
+    }
+    assert found["c"] == {"state": "crashed", "error": "experiment c crashed: lost"}
 
 
 @pytest.mark.parametrize("key", sorted(ov.MACHINE_KEYS))
