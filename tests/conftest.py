@@ -12,6 +12,12 @@ from pathlib import Path
 from ganpipe import cpu
 from ganpipe.params import DataParams, Params
 
+# OpenMP's idle threads spin before they sleep (libgomp's default, read when torch loads).
+# With two xdist workers and their stages on two cores, the spinning threads take the cores
+# from the ones that compute: a 2-thread training costs several times its CPU (measured in
+# the commit that added this). Passive waits change no result, only how a thread waits; the
+# stage processes the tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # In-process tests compute in the default (portable) CPU mode, like the stages: pinned
 # before anything loads torch (configure_runtime refuses a process that was not).
 cpu.pin(Params().determinism, Params().devices)

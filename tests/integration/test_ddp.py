@@ -87,22 +87,118 @@ def train(root: Path) -> subprocess.CompletedProcess:
     )
 
 
+#: The cases of test_two_processes_equal_one_process_with_the_whole_batch: strategy,
+#: grad_accum, augment policy, architecture.
+CASES = [
+    *[
+        (strategy, accum, "none", arch)
+        for arch in ("dcgan", "resnet")
+        for strategy, accum in (
+            ("d_first_retain", 1),
+            ("d_first_detach", 1),
+            ("g_first_detach", 1),
+            ("d_first_detach", 2),
+        )
+    ],
+    # each rank augments its share of the global batch with that share's draws, and
+    # ADA's p moves by the signs counted over both ranks
+    ("g_first_detach", 2, "color+translation+cutout", "resnet"),
+]
+
+
+def case_runs(strategy: str, accum: int, policy: str, arch: str) -> tuple[str, dict, dict]:
+    """The data (``data16`` or ``data32``) and the sections of a case's one-process run and
+    of its two-process run. One process does not depend on ``accum``: the cases that differ
+    by it alone share its run."""
+    family = RESNET if arch == "resnet" else {}
+    model = {**TINY["model"], **family.get("model", {})}
+    sections = {"data": family.get("data", {}), "model": model}
+    augmented = {"augment": policy}
+    if policy != "none":
+        augmented.update(augment_p=0.5, augment_target=0.6, augment_speed_kimg=1)
+    one = {"train": {"strategy": strategy, **augmented}, **sections}
+    two = {
+        "train": {"strategy": strategy, "grad_accum": accum, **augmented},
+        "devices": {"nproc_per_node": 2},
+        **sections,
+    }
+    return ("data32" if arch == "resnet" else "data16"), one, two
+
+
+#: train.xflip with gradient accumulation (test_mirrored_two_processes_equal_one_process).
+MIRRORED = {"strategy": "d_first_detach", "n_critic": 2, "xflip": True}
+
+#: FID/KID while training at every 0.16 kimg (2 points) on few samples, in a small feature
+#: network.
+MEASURED = {
+    "train": {"metrics_kimg": 0.16, "metrics_num_samples": 64},
+    "featurenet": {"width": 8, "epochs": 1},
+    "eval": {"num_samples": 64, "kid_subsets": 5, "kid_subset_size": 32, "batch_size": 32},
+}
+
+TWO = {"nproc_per_node": 2}
+
+#: Every run that ``trained`` makes: (data, sections).
+RUNS = [
+    *[(data, s) for data, one, two in (case_runs(*c) for c in CASES) for s in (one, two)],
+    ("data16", {"train": MIRRORED}),
+    ("data16", {"train": {**MIRRORED, "grad_accum": 2}, "devices": TWO}),
+    ("data16", {"train": {**MIRRORED, "xflip": False}}),
+    ("data16", MEASURED),
+    ("data16", {"devices": TWO, **MEASURED}),
+    ("data16", {"devices": TWO, "model": {"norm": "batch"}}),  # one of two bit-identical runs
+]
+
+
+def run_key(data: Path, sections: dict) -> str:
+    """What identifies a run: its data and its validated params."""
+    config = parse_params(updated(TINY, sections)).model_dump(mode="json")
+    return json.dumps([str(data), config], sort_keys=True)
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, data16, data32):
     """``trained(data, **sections)``: the folder of a project of TINY with ``sections`` where
-    the train stage ran, and what it printed; each configuration trains once per module
-    (tests only read it)."""
-    runs = {}
+    the train stage ran (one of :data:`RUNS`), and what it logged; tests only read it.
+
+    Every run trains on first use, in two launches instead of one per run
+    (tests.integration.train_projects): the one-process runs one after another in one
+    process, the two-process runs in one torchrun of two ranks. The runs that measure FID
+    while training start with the models/ of one featurenet stage.
+    """
+    datas = {"data16": data16, "data32": data32}
+    projects: dict[str, Path] = {}
+    launches: dict[int, list[Path]] = {}  # world size -> projects
+    measuring = []
+    for data, sections in RUNS:
+        key = run_key(datas[data], sections)
+        if key not in projects:
+            root = project(tmp_path_factory.mktemp("run") / "p", datas[data], **sections)
+            projects[key] = root
+            params = parse_params(updated(TINY, sections))
+            launches.setdefault(params.devices.world_size, []).append(root)
+            if params.train.metrics_kimg > 0:
+                measuring.append(root)
+    if measuring:
+        featurenet = helpers.run_stage(measuring[0], "featurenet")
+        assert featurenet.returncode == 0, featurenet.stderr[-3000:]
+        for root in measuring[1:]:
+            shutil.copytree(measuring[0] / "models", root / "models")
+    for size, roots in sorted(launches.items()):
+        torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={size}"]
+        result = subprocess.run(
+            [sys.executable, *(torchrun if size > 1 else []), "-m",
+             "tests.integration.train_projects", *map(str, roots)],
+            env={**env(), "OMP_NUM_THREADS": str(TINY["devices"]["cpu_threads"])},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
 
     def run(data: Path, /, **sections) -> tuple[Path, str]:
-        config = parse_params(updated(TINY, sections)).model_dump(mode="json")
-        key = json.dumps([str(data), config], sort_keys=True)
-        if key not in runs:
-            root = project(tmp_path_factory.mktemp("run") / "p", data, **sections)
-            result = train(root)
-            assert result.returncode == 0, result.stderr[-3000:]
-            runs[key] = (root, result.stderr)
-        return runs[key]
+        root = projects[run_key(data, sections)]
+        return root, "".join(log.read_text() for log in sorted(root.glob("stage-rank*.log")))
 
     return run
 
@@ -118,45 +214,17 @@ def max_difference(a, b) -> float:
     return max((a[n][k].double() - b[n][k].double()).abs().max().item() for n in a for k in a[n])
 
 
-@pytest.mark.xdist_group("ddp_runs")  # one worker trains each configuration once (trained)
-@pytest.mark.parametrize(
-    ("strategy", "accum", "policy", "arch"),
-    [
-        *[
-            (strategy, accum, "none", arch)
-            for arch in ("dcgan", "resnet")
-            for strategy, accum in (
-                ("d_first_retain", 1),
-                ("d_first_detach", 1),
-                ("g_first_detach", 1),
-                ("d_first_detach", 2),
-            )
-        ],
-        # each rank augments its share of the global batch with that share's draws, and
-        # ADA's p moves by the signs counted over both ranks
-        ("g_first_detach", 2, "color+translation+cutout", "resnet"),
-    ],
-)
+@pytest.mark.xdist_group("ddp_runs")  # one worker trains every run once (trained)
+@pytest.mark.parametrize(("strategy", "accum", "policy", "arch"), CASES)
 def test_two_processes_equal_one_process_with_the_whole_batch(
     trained, data16, data32, strategy, accum, policy, arch
 ):
     """resnet: spectral norm's power iteration depends on D's weights only, which DDP keeps
-    equal on every rank, so D's σ is one process's too. One process does not depend on
-    ``accum``: the cases that differ by it alone share its run."""
-    family = RESNET if arch == "resnet" else {}
-    data = data32 if arch == "resnet" else data16
-    model = {**TINY["model"], **family.get("model", {})}
-    sections = {"data": family.get("data", {}), "model": model}
-    augmented = {"augment": policy}
-    if policy != "none":
-        augmented.update(augment_p=0.5, augment_target=0.6, augment_speed_kimg=1)
-    one, one_log = trained(data, train={"strategy": strategy, **augmented}, **sections)
-    two, two_log = trained(
-        data,
-        train={"strategy": strategy, "grad_accum": accum, **augmented},
-        devices={"nproc_per_node": 2},
-        **sections,
-    )
+    equal on every rank, so D's σ is one process's too."""
+    data, one_sections, two_sections = case_runs(strategy, accum, policy, arch)
+    data = {"data16": data16, "data32": data32}[data]
+    one, one_log = trained(data, **one_sections)
+    two, two_log = trained(data, **two_sections)
     logs = [one_log, two_log]
     assert "rank 1/2 joined (gloo on cpu)" in logs[1]
     assert max_difference(states(one), states(two)) < FLOAT_NOISE[arch]
@@ -174,46 +242,24 @@ def test_two_processes_equal_one_process_with_the_whole_batch(
         assert ps[0] == ps[1] and len(values) > 1, ps
 
 
-def test_mirrored_two_processes_equal_one_process(tmp_path, data16):
+@pytest.mark.xdist_group("ddp_runs")
+def test_mirrored_two_processes_equal_one_process(trained, data16):
     """train.xflip: each rank mirrors its share of the global batch where that batch's
     flips say, so two processes (with gradient accumulation) train as one does, and
     differently from the same run unmirrored."""
-    mirrored = {"strategy": "d_first_detach", "n_critic": 2, "xflip": True}
-    one = project(tmp_path / "one", data16, train=mirrored)
-    two = project(
-        tmp_path / "two",
-        data16,
-        train={**mirrored, "grad_accum": 2},
-        devices={"nproc_per_node": 2},
-    )
-    plain = project(tmp_path / "plain", data16, train={**mirrored, "xflip": False})
-    for root in (one, two, plain):
-        result = train(root)
-        assert result.returncode == 0, result.stderr[-3000:]
+    one, _ = trained(data16, train=MIRRORED)
+    two, _ = trained(data16, train={**MIRRORED, "grad_accum": 2}, devices=TWO)
+    plain, _ = trained(data16, train={**MIRRORED, "xflip": False})
     assert max_difference(states(one), states(two)) < FLOAT_NOISE["dcgan"]
     assert max_difference(states(one), states(plain)) > 100 * FLOAT_NOISE["dcgan"]
 
 
-#: FID/KID while training at every 0.16 kimg (2 points) on few samples, in a small feature
-#: network.
-MEASURED = {
-    "train": {"metrics_kimg": 0.16, "metrics_num_samples": 64},
-    "featurenet": {"width": 8, "epochs": 1},
-    "eval": {"num_samples": 64, "kid_subsets": 5, "kid_subset_size": 32, "batch_size": 32},
-}
-
-
-def test_fid_while_training_under_two_processes_equals_one_process(tmp_path, data16):
+@pytest.mark.xdist_group("ddp_runs")
+def test_fid_while_training_under_two_processes_equals_one_process(trained, data16):
     """Rank 0 measures while rank 1 waits: the curve, the best point and its snapshot are
     one process's (the weights agree within float noise, so the values do too)."""
-    one = project(tmp_path / "one", data16, **MEASURED)
-    two = project(tmp_path / "two", data16, devices={"nproc_per_node": 2}, **MEASURED)
-    featurenet = helpers.run_stage(one, "featurenet")
-    assert featurenet.returncode == 0, featurenet.stderr[-3000:]
-    shutil.copytree(one / "models", two / "models")
-    for root in (one, two):
-        result = train(root)
-        assert result.returncode == 0, result.stderr[-3000:]
+    one, _ = trained(data16, **MEASURED)
+    two, _ = trained(data16, devices=TWO, **MEASURED)
     records = [json.loads((root / "metrics/train/metrics.json").read_text()) for root in (one, two)]
     for name in ("fid", "kid"):
         tsv = f"metrics/train/plots/metrics/metrics/{name}.tsv"
@@ -229,15 +275,18 @@ def test_fid_while_training_under_two_processes_equals_one_process(tmp_path, dat
     assert max_difference({"best": bests[0]}, {"best": bests[1]}) < FLOAT_NOISE["dcgan"]
 
 
-def test_two_process_runs_are_bit_identical(tmp_path, data16):
-    runs = []
-    for name in ("a", "b"):
-        root = project(
-            tmp_path / name, data16, devices={"nproc_per_node": 2}, model={"norm": "batch"}
-        )
-        assert train(root).returncode == 0
-        runs.append((root / "models/g_ema.pt").read_bytes())
-        runs.append((root / "models/discriminator.pt").read_bytes())
+@pytest.mark.xdist_group("ddp_runs")
+def test_two_process_runs_are_bit_identical(tmp_path, trained, data16):
+    """Run a is one of the torchrun of ``trained``, run b the stage's own launch."""
+    sections = {"devices": TWO, "model": {"norm": "batch"}}
+    a, _ = trained(data16, **sections)
+    b = project(tmp_path / "b", data16, **sections)
+    assert train(b).returncode == 0
+    runs = [
+        (root / "models" / n).read_bytes()
+        for root in (a, b)
+        for n in ("g_ema.pt", "discriminator.pt")
+    ]
     assert runs[0] == runs[2] and runs[1] == runs[3]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,8 @@ from ganpipe import build, evaluation, loop
 from ganpipe.checkpoint import save_atomic
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.prepare import prepare_dataset
-from ganpipe.featurenet import Embedding, train_featurenet
-from ganpipe.params import DataParams, FeaturenetParams, parse_params
+from ganpipe.featurenet import Embedding
+from ganpipe.params import DataParams, parse_params
 from tests import helpers
 from tests.helpers import tiny_params, write_project
 
@@ -43,13 +44,20 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def extractor(data_dir) -> Embedding:
-    train, val = LmdbImageDataset(data_dir / "train.lmdb"), LmdbImageDataset(data_dir / "val.lmdb")
-    result = train_featurenet(
-        FeaturenetParams(epochs=6), 0, train, val, 10, (16, 16, 1), CPU, progress=False
-    )
-    assert result.val_accuracy > 0.85
-    return Embedding(result.net, "test")
+def featurenet_project(tmp_path_factory, data_dir) -> Path:
+    """A project of GAN where the featurenet stage ran: read-only for the tests."""
+    root = write_project(tmp_path_factory.mktemp("featurenet") / "p", GAN, data_dir)
+    run_stage(root, "featurenet")
+    return root
+
+
+@pytest.fixture(scope="module")
+def extractor(featurenet_project) -> Embedding:
+    """The featurenet stage's network (featurenet.seed 0, 6 epochs, 2 threads, as GAN's
+    params say): trained once for the module, the evaluate stage's ruler too."""
+    metrics = json.loads((featurenet_project / "metrics/featurenet.json").read_text())
+    assert metrics["val_accuracy"] > 0.85
+    return evaluation.load_featurenet(featurenet_project / "models/featurenet.pt")
 
 
 def all_images(dataset) -> torch.Tensor:
@@ -121,10 +129,10 @@ def run_stage(root: Path, stage: str) -> str:
 
 
 def test_evaluate_stage_is_bit_identical_cached_and_shards_over_processes(
-    tmp_path, data_dir, generators
+    tmp_path, data_dir, featurenet_project, generators
 ):
     params, _, trained = generators
-    root = write_project(tmp_path / "p", GAN, data_dir)
+    root = shutil.copytree(featurenet_project, tmp_path / "p", symlinks=True)
     record = {
         "net": "generator",
         "model": params.model.model_dump(mode="json"),
@@ -133,7 +141,6 @@ def test_evaluate_stage_is_bit_identical_cached_and_shards_over_processes(
         "state_dict": trained.state_dict(),
     }
     save_atomic(record, root / "models" / "g_ema.pt")
-    run_stage(root, "featurenet")
     assert json.loads((root / "metrics/featurenet.json").read_text())["val_accuracy"] > 0.85
     first = run_stage(root, "evaluate")
     out = root / "metrics/eval/metrics.json"
