@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,15 @@ from ganpipe.checkpoint import load
 from ganpipe.data.prepare import prepare_dataset
 from ganpipe.params import DataParams, parse_params
 from tests import helpers
-from tests.helpers import TINY_RESNET, descendants, stage_env, tiny_params, updated, write_project
+from tests.helpers import (
+    TINY_RESNET,
+    descendants,
+    free_port,
+    stage_env,
+    tiny_params,
+    updated,
+    write_project,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -379,12 +386,6 @@ def test_frozen_network_triggers_no_all_reduce_and_accumulation_syncs_once(tmp_p
         diff < FLOAT_NOISE["resnet" if key.startswith("resnet/") else "dcgan"]
         for key, diff in differences.items()
     ), differences
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.xdist_group("ddp_runs")
