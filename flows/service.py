@@ -371,6 +371,7 @@ def main() -> None:
     begin.add_argument("--database-url", default=None, help="default SQLite in .state/prefect")
     begin.add_argument("--repo", default=None, help="what runs clone (default this project)")
     begin.add_argument("--crash-after", dest="crash_after_s", type=float, default=3 * HEARTBEAT_S)
+    begin.add_argument("--start-within", dest="start_within_s", type=float, default=300)
     begin.add_argument("--no-worker", dest="local_worker", action="store_false")
     work.add_argument("--name", default=None, help="default HOST-gpuN")
     args = vars(parser.parse_args())

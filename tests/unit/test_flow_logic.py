@@ -531,3 +531,22 @@ def test_a_runs_table_reads_back_as_its_metrics_and_where_it_ran():
     metrics, where = report.read_run_rows(rows)
     assert metrics == {"metrics/eval/metrics.json": {"fid": 3.5, "ruler.featurenet": "a" * 64}}
     assert where == ran_on
+
+
+def test_make_serve_s_options_reach_the_service(monkeypatch):
+    import sys
+
+    given = {}
+
+    def start(state_dir, **kwargs):
+        given.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(service, "start", start)
+    argv = ["service", "start", "--crash-after", "120", "--start-within", "900", "--no-worker"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as info:
+        service.main()
+    assert info.value.code == 2  # the RuntimeError as one error line
+    assert given["crash_after_s"] == 120 and given["start_within_s"] == 900
+    assert given["local_worker"] is False and given["port"] == 4200 and given["gpu"] is None
