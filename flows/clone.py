@@ -54,11 +54,8 @@ _stopping = threading.Event()
 
 
 class DvcCommandError(RuntimeError):
-    """A command failed; the message is the stage's own ``error:`` lines, then DVC's.
-
-    Attributes:
-        transient: True when retrying may succeed (a lock, an I/O hiccup, a killed process).
-    """
+    """A command failed; the message is the stage's own ``error:`` lines, then DVC's;
+    ``transient`` when a retry may succeed (a lock, an I/O hiccup, a killed process)."""
 
     def __init__(self, command: list[str], returncode: int | None, tail: str):
         self.command, self.returncode, self.tail = command, returncode, tail
@@ -214,7 +211,7 @@ def restore_data(root: Path, params: Mapping[str, Any], shared: bool) -> None:
     check_inside(path, root)
     if not (root / path).exists():
         with contextlib.suppress(DvcCommandError):
-            run(["dvc", "checkout" if shared else "pull", path], root)
+            run(["dvc", "checkout" if shared else "pull", "--", path], root)
     if not (root / path).exists():
         problem = (
             f"{path!r} is tracked by neither git nor DVC in this commit, so a run cannot see "

@@ -1,9 +1,5 @@
-"""The pipeline flow: one DVC experiment, made by DVC in this run's fresh clone.
-
-The flow moves the clone (made by the deployments' pull step, prefect.yaml) to the requested
-commit, validates the overrides, and makes and returns the experiment with ``dvc exp run``
-and ``dvc exp push`` (:mod:`flows.clone`): it appears in ``dvc exp show`` in the user's
-repository, whose workspace is never written. On demand (docs/orchestration.md)::
+"""The pipeline flow: one DVC experiment, made by DVC in this run's fresh clone and returned
+with ``dvc exp push`` (:mod:`flows.clone`); the user's workspace is never written. On demand::
 
     prefect deployment run ganpipe-pipeline/experiment \
         --param overrides='{"train.strategy": "g_first_detach", "precision": "bf16"}'
@@ -15,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -90,6 +87,8 @@ def pipeline(
     root = Path.cwd()
     with clone.owned(root):
         name = exp_name or flow_run.get_name() or time.strftime("pipeline-%Y%m%d-%H%M%S")
+        if not re.fullmatch(clone.NAME, name):  # a flow run's name is the caller's too
+            name = time.strftime("pipeline-%Y%m%d-%H%M%S")
         sha, shared = clone.prepare(root, commit, log.info)
         params_text = (root / "params.yaml").read_text(encoding="utf-8")
         valid = validate_overrides(params_text, overrides, "params.yaml of the run's commit")

@@ -1,15 +1,10 @@
 """``make serve`` / ``make worker`` / ``make stop``: Prefect's own CLI, plus what it lacks.
 
-``start``: ``prefect server start`` in the background (127.0.0.1, basic auth, CORS limited to
-its own UI, SQLite in ``.state/prefect`` or ``--database-url``), the work pool, the variable
-``ganpipe_repo`` (what runs clone), ``prefect deploy --all`` (prefect.yaml), the automations
-of automations.yaml, and two ``prefect worker start`` (the ``experiments`` and ``sweeps``
-queues). ``worker``: one more experiments worker, on any machine with the package and the
-server's ``.state/prefect.env``. ``stop``: stops what both started, workers first.
-
-What Prefect's CLI lacks: starting in the background without dying on a closed pipe,
-stopping what was started, and a credential that stays home (0600 files in a 0700 folder;
-URL and credential from the same file, and the credential never sent to another URL).
+``start``: server, work pool, the ``ganpipe_repo`` variable, ``prefect deploy --all``, the
+automations of automations.yaml, two workers; ``worker``: one more, on any machine with the
+server's ``.state/prefect.env``; ``stop``. What Prefect's CLI lacks: starting in the
+background without dying on a closed pipe, stopping what was started, and a credential that
+stays home (0600 files, 0700 folders, never sent to another URL). flows/README.md has more.
 """
 
 from __future__ import annotations
@@ -227,7 +222,7 @@ def start(
         start_worker(state_dir, env, SWEEPS, SWEEP_LIMIT, gpu="", extra_env=extra_env)
         if local_worker:
             start_worker(state_dir, env, EXPERIMENTS, limit, gpu=gpu, extra_env=extra_env)
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+    except Exception as exc:  # whatever failed: nothing of it is left running
         stop(state_dir)
         tail = (state_dir / "server.log").read_text(errors="replace")[-2000:]
         raise RuntimeError(f"{exc}\nserver log:\n{tail}") from None
@@ -275,7 +270,10 @@ def start_worker(
     proc = background(command, tool_env(worker_env, state_dir), log, folder / f"{name}.pid")
     deadline = time.monotonic() + timeout_s
     while proc.poll() is None and time.monotonic() < deadline:
-        if f"Worker {name!r} started!".encode() in log.read_bytes()[seen:]:  # it reached the API
+        new = log.read_bytes()[seen:]
+        if b"Unable to reach the Prefect API" in new:  # it still prints "started!"
+            break
+        if f"Worker {name!r} started!".encode() in new:
             return name
         time.sleep(0.5)
     stop_pids([proc.pid])
@@ -370,8 +368,14 @@ def main() -> None:
     begin.add_argument("--host", default=HOST, help="address to listen on (docs/team.md)")
     begin.add_argument("--database-url", default=None, help="default SQLite in .state/prefect")
     begin.add_argument("--repo", default=None, help="what runs clone (default this project)")
-    begin.add_argument("--crash-after", dest="crash_after_s", type=float, default=3 * HEARTBEAT_S)
-    begin.add_argument("--start-within", dest="start_within_s", type=float, default=300)
+
+    def bound(text: str) -> float:
+        if float(text) < 10:  # Prefect's automations wait at least 10 s
+            raise argparse.ArgumentTypeError(f"{text} s is under the 10 s Prefect allows")
+        return float(text)
+
+    begin.add_argument("--crash-after", dest="crash_after_s", type=bound, default=3 * HEARTBEAT_S)
+    begin.add_argument("--start-within", dest="start_within_s", type=bound, default=300)
     begin.add_argument("--no-worker", dest="local_worker", action="store_false")
     work.add_argument("--name", default=None, help="default HOST-gpuN")
     args = vars(parser.parse_args())

@@ -1,20 +1,15 @@
-"""The sweep flow: a grid of experiments, run as Prefect work, compared in one report.
-
-Every combination of the grid (default: the three update strategies x fp32/bf16 x two
-seeds, at a small ``train.kimg``) is validated by the params schema first; then each is a
-run of the deployment ``ganpipe-pipeline/experiment`` (:mod:`flows.pipeline`) that any
-experiments worker may take, at the commit the sweep started from. The comparison is
-published as Prefect artifacts and, when the project is a folder on this machine, written
-to its ``reports/sweeps/NAME.md`` (+ ``.png``, ``.json``): a place made from the sweep's
-validated name, never a caller's path. On demand (docs/orchestration.md)::
+"""The sweep flow: a grid of experiments, each a run of ``ganpipe-pipeline/experiment``
+(:mod:`flows.pipeline`) at the sweep's start commit, validated first and compared in one
+report: Prefect artifacts, and ``reports/sweeps/NAME.md`` (+ ``.png``, ``.json``) when the
+project is a folder here, a place made from the validated name. On demand::
 
     prefect deployment run ganpipe-sweep/scheduled --param sweep_name=tiny \
-        --param grid='{"train.strategy": ["d_first_detach", "g_first_detach"]}' \
-        --param base='{"train.kimg": 1}'
+        --param grid='{"train.strategy": ["d_first_detach", "g_first_detach"]}'
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -29,9 +24,11 @@ from typing import Annotated, Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.client.orchestration import SyncPrefectClient, get_client
+from prefect.client.schemas import filters as f
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 from prefect.runtime import flow_run as this_flow_run
+from prefect.states import Cancelling
 from pydantic import Field
 
 from flows import clone
@@ -103,8 +100,6 @@ POLL_S = 1.0
 def experiment_result(client: SyncPrefectClient, run: FlowRun) -> dict[str, Any]:
     """What a finished experiment run published (its ``pipeline-metrics`` table, read through
     the API whichever machine ran it): metrics by file, where it ran, its time span."""
-    from prefect.client.schemas import filters as f
-
     only = f.ArtifactFilter(
         flow_run_id=f.ArtifactFilterFlowRunId(any_=[run.id]),
         key=f.ArtifactFilterKey(any_=["pipeline-metrics"]),
@@ -136,36 +131,48 @@ def run_experiments(
     key = str(this_flow_run.id or uuid.uuid4())
     waiting, running, attempts, found = list(overrides), {}, Counter(), {}
     with get_client(sync_client=True) as client:
-        while waiting or running:
-            while waiting and len(running) < (parallel or len(overrides)):
-                name = waiting.pop(0)
-                attempts[name] += 1
-                running[name] = run_deployment(
-                    EXPERIMENT,
-                    parameters={"overrides": overrides[name], "exp_name": name, "commit": commit},
-                    flow_run_name=name,
-                    timeout=0,
-                    idempotency_key=f"{key}:{name}:{attempts[name]}",
-                ).id
-            time.sleep(POLL_S)
-            for name, run_id in list(running.items()):
-                if not (run := client.read_flow_run(run_id)).state.is_final():
-                    continue
-                del running[name]
-                if run.state.is_completed():
-                    found[name] = experiment_result(client, run)
-                    continue
-                state = run.state.type.value.lower()
-                message = (run.state.message or "").removeprefix(
-                    "Flow run encountered an exception: "
-                )
-                transient = state == "crashed" or clone.TRANSIENT.search(message)
-                if transient and attempts[name] <= retries:
-                    log.info("experiment %s %s; starting it again", name, state)
-                    waiting.append(name)
-                else:
-                    error = f"experiment {name} {state}: {message}".splitlines()[0]
-                    found[name] = {"state": state, "error": error}
+        try:
+            while waiting or running:
+                while waiting and len(running) < (parallel or len(overrides)):
+                    name = waiting.pop(0)
+                    attempts[name] += 1
+                    running[name] = run_deployment(
+                        EXPERIMENT,
+                        parameters={
+                            "overrides": overrides[name],
+                            "exp_name": name,
+                            "commit": commit,
+                        },
+                        flow_run_name=name,
+                        timeout=0,
+                        idempotency_key=f"{key}:{name}:{attempts[name]}",
+                    ).id
+                time.sleep(POLL_S)
+                ids = f.FlowRunFilter(id=f.FlowRunFilterId(any_=list(running.values())))
+                for run in client.read_flow_runs(flow_run_filter=ids):  # one request per look
+                    if not run.state.is_final():
+                        continue
+                    name = next(n for n, i in running.items() if i == run.id)
+                    del running[name]
+                    if run.state.is_completed():
+                        found[name] = experiment_result(client, run)
+                        continue
+                    state = run.state.type.value.lower()
+                    message = (run.state.message or "").removeprefix(
+                        "Flow run encountered an exception: "
+                    )
+                    transient = state == "crashed" or clone.TRANSIENT.search(message)
+                    if transient and attempts[name] <= retries:
+                        log.info("experiment %s %s; starting it again", name, state)
+                        waiting.append(name)
+                    else:
+                        error = f"experiment {name} {state}: {message}".splitlines()[0]
+                        found[name] = {"state": state, "error": error}
+        except BaseException:  # failed or cancelled: no experiment outlives its sweep
+            for run_id in running.values():
+                with contextlib.suppress(Exception):
+                    client.set_flow_run_state(run_id, Cancelling(), force=True)
+            raise
     return found
 
 

@@ -309,9 +309,9 @@ def test_the_sweep_keeps_parallel_runs_and_starts_again_only_crashed_or_transien
         def __exit__(self, *exc):
             return False
 
-        def read_flow_run(self, run_id):
-            finished.append(run_id)
-            return runs[run_id]
+        def read_flow_runs(self, flow_run_filter):
+            finished.extend(flow_run_filter.id.any_)
+            return [runs[run_id] for run_id in flow_run_filter.id.any_]
 
         def read_artifacts(self, artifact_filter):
             return []
@@ -330,6 +330,42 @@ def test_the_sweep_keeps_parallel_runs_and_starts_again_only_crashed_or_transien
         "error": "experiment b failed: error: train.lr_g must be > 0",
     }
     assert found["c"] == {"state": "crashed", "error": "experiment c crashed: lost"}
+
+
+def test_a_sweep_that_fails_cancels_the_experiments_it_left_running(monkeypatch):
+    import logging
+    import types
+    import uuid
+
+    from prefect.states import Running
+
+    from flows import sweep
+
+    started, cancelled = [], []
+
+    def start(name, parameters, flow_run_name, timeout, idempotency_key):
+        started.append(types.SimpleNamespace(id=uuid.uuid4(), state=Running()))
+        return started[-1]
+
+    class Client:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read_flow_runs(self, flow_run_filter):
+            raise RuntimeError("the API went away")
+
+        def set_flow_run_state(self, run_id, state, force):
+            cancelled.append((run_id, state.type.value, force))
+
+    monkeypatch.setattr(sweep, "run_deployment", start)
+    monkeypatch.setattr(sweep, "get_client", lambda sync_client: Client())
+    monkeypatch.setattr(sweep, "POLL_S", 0)
+    with pytest.raises(RuntimeError, match="went away"):
+        sweep.run_experiments({"a": {}, "b": {}, "c": {}}, "abc", 2, 0, logging.getLogger("t"))
+    assert cancelled == [(run.id, "CANCELLING", True) for run in started] and len(started) == 2
 
 
 @pytest.mark.parametrize("key", sorted(ov.MACHINE_KEYS))
@@ -550,3 +586,17 @@ def test_make_serve_s_options_reach_the_service(monkeypatch):
     assert info.value.code == 2  # the RuntimeError as one error line
     assert given["crash_after_s"] == 120 and given["start_within_s"] == 900
     assert given["local_worker"] is False and given["port"] == 4200 and given["gpu"] is None
+
+
+def test_an_automation_bound_under_ten_seconds_is_refused_before_anything_starts(
+    monkeypatch, capsys
+):
+    import sys
+
+    monkeypatch.setattr(service, "start", lambda *a, **k: pytest.fail("started"))
+    monkeypatch.setattr(sys, "argv", ["service", "start", "--start-within", "5"])
+    with pytest.raises(SystemExit) as info:
+        service.main()
+    assert (
+        info.value.code == 2 and "5 s is under the 10 s Prefect allows" in capsys.readouterr().err
+    )
