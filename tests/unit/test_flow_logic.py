@@ -271,6 +271,16 @@ def test_a_bad_combination_stops_the_sweep_before_anything_runs():
     assert "sw-bce:" not in str(info.value)
 
 
+class FakeClient:
+    """A sync Prefect client in a ``with`` block; tests add the calls the sweep makes."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 def test_the_sweep_keeps_parallel_runs_and_starts_again_only_crashed_or_transient_ones(
     monkeypatch,
 ):
@@ -302,13 +312,7 @@ def test_the_sweep_keeps_parallel_runs_and_starts_again_only_crashed_or_transien
 
     finished = []
 
-    class Client:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
+    class Client(FakeClient):
         def read_flow_runs(self, flow_run_filter):
             finished.extend(flow_run_filter.id.any_)
             return [runs[run_id] for run_id in flow_run_filter.id.any_]
@@ -347,13 +351,7 @@ def test_a_sweep_that_fails_cancels_the_experiments_it_left_running(monkeypatch)
         started.append(types.SimpleNamespace(id=uuid.uuid4(), state=Running()))
         return started[-1]
 
-    class Client:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
+    class Client(FakeClient):
         def read_flow_runs(self, flow_run_filter):
             raise RuntimeError("the API went away")
 
