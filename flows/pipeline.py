@@ -86,7 +86,7 @@ def pipeline(
     log = get_run_logger()
     root = Path.cwd()
     with clone.owned(root):
-        name = exp_name or flow_run.get_name() or time.strftime("pipeline-%Y%m%d-%H%M%S")
+        name = exp_name or flow_run.get_name() or ""
         if not re.fullmatch(clone.NAME, name):  # a flow run's name is the caller's too
             name = time.strftime("pipeline-%Y%m%d-%H%M%S")
         sha, shared = clone.prepare(root, commit, log.info)

@@ -136,7 +136,7 @@ def run_experiments(
                 while waiting and len(running) < (parallel or len(overrides)):
                     name = waiting.pop(0)
                     attempts[name] += 1
-                    running[name] = run_deployment(
+                    run_id = run_deployment(
                         EXPERIMENT,
                         parameters={
                             "overrides": overrides[name],
@@ -147,13 +147,13 @@ def run_experiments(
                         timeout=0,
                         idempotency_key=f"{key}:{name}:{attempts[name]}",
                     ).id
+                    running[run_id] = name
                 time.sleep(POLL_S)
-                ids = f.FlowRunFilter(id=f.FlowRunFilterId(any_=list(running.values())))
+                ids = f.FlowRunFilter(id=f.FlowRunFilterId(any_=list(running)))
                 for run in client.read_flow_runs(flow_run_filter=ids):  # one request per look
                     if not run.state.is_final():
                         continue
-                    name = next(n for n, i in running.items() if i == run.id)
-                    del running[name]
+                    name = running.pop(run.id)
                     if run.state.is_completed():
                         found[name] = experiment_result(client, run)
                         continue
@@ -169,7 +169,7 @@ def run_experiments(
                         error = f"experiment {name} {state}: {message}".splitlines()[0]
                         found[name] = {"state": state, "error": error}
         except BaseException:  # failed or cancelled: no experiment outlives its sweep
-            for run_id in running.values():
+            for run_id in running:
                 with contextlib.suppress(Exception):
                     client.set_flow_run_state(run_id, Cancelling(), force=True)
             raise
