@@ -43,13 +43,13 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # as the train stag
 
 import torch  # noqa: E402
 
+from benchmarks.gpu_table import RESULTS, table  # noqa: E402
 from benchmarks.photos import write_folder  # noqa: E402
 from ganpipe import loop, nets, runtime  # noqa: E402
 from ganpipe.data.dataset import LmdbImageDataset, uint8_to_float  # noqa: E402
 from ganpipe.data.prepare import prepare_dataset  # noqa: E402
 from ganpipe.params import DataParams, ModelParams, parse_params  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results" / "gpu.json"
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -332,20 +332,6 @@ def main(argv: list[str] | None = None) -> dict:
         args.results.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
     return result
-
-
-def table(result: dict) -> str:
-    lines = [
-        f"{result['gpu']}, torch {result['torch']}, {result['date']}",
-        "| program | step | batch | precision | images/s | ms/step | peak MiB |",
-        "|---|---|---:|---|---:|---:|---:|",
-    ]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['program']} | {r['step']} | {r['batch']} | {r['precision']} | "
-            f"{r['images_per_s']:,.0f} | {r['ms_per_step']:.2f} | {r['peak_memory_mb']:,.0f} |"
-        )
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from benchmarks import gpu_table
 from tests.helpers import REPO
 from tools import doclinks, paramdoc
 
@@ -49,6 +50,18 @@ def test_evaluation_page_quotes_the_committed_metrics_of_the_default_run():
         f"| {evaluated['precision']:.3f} | {evaluated['recall']:.3f} |"
     )
     assert row.endswith(shown), f"docs/evaluation.md shows {row!r}; the metrics say {shown}"
+
+
+def test_gpu_table_on_the_benchmarks_page_is_the_committed_result():
+    result = json.loads(gpu_table.RESULTS.read_text())
+    title, rows = gpu_table.table(result).split("\n", 1)
+    page = (REPO / "docs/benchmarks.md").read_text()
+    section = page.split("\n## GPU\n", 1)[1].split("\n## ", 1)[0]
+    assert title in section, f"docs/benchmarks.md#gpu does not name the measured run: {title}"
+    assert rows in section, (
+        "docs/benchmarks.md#gpu's table differs from benchmarks/results/gpu.json: paste "
+        "benchmarks.gpu_table.table() of the committed result"
+    )
 
 
 def test_parameter_page_matches_the_schema():
