@@ -9,6 +9,7 @@ owns, and never branches on the backend.
 from __future__ import annotations
 
 import datetime
+import inspect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -165,7 +166,18 @@ def wrap(net: nn.Module, context: DistContext, sync_batch_norm: bool) -> nn.Modu
     if sync_batch_norm:
         net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
     device_ids = [context.device.index] if context.device.type == "cuda" else None
-    return DistributedDataParallel(net, device_ids=device_ids)
+    # The buffers start as rank 0's (DDP's start-up sync), but DDP does not broadcast them
+    # again before every forward: on CUDA, cuDNN's BatchNorm keeps the running statistics
+    # for its backward, and a strategy that runs D twice before one backward found them
+    # overwritten in place on the other ranks (autograd's version check failed; found by
+    # tests/integration/test_gpu.py). No trained byte changes: training reads batch
+    # statistics, every rank updates spectral norm's vectors identically, and rank 0, the
+    # broadcast's source, is the one that saves its buffers and copies them into the EMA.
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+        return DistributedDataParallel(net, device_ids=device_ids, forward_sync_buffers=False)
+    for buffer in net.buffers():  # an older torch (2.11): the start-up sync by hand
+        dist.broadcast(buffer, src=0)
+    return DistributedDataParallel(net, device_ids=device_ids, broadcast_buffers=False)
 
 
 def unwrap(net: nn.Module) -> nn.Module:

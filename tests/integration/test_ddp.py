@@ -300,7 +300,7 @@ def test_two_process_runs_are_bit_identical(tmp_path, trained, data16):
 ALLREDUCE_WORKER = """
 import itertools, json, torch, torch.distributed as dist
 from ganpipe import build
-from ganpipe.dist import DistContext, unwrap
+from ganpipe.dist import DistContext, unwrap, wrap
 from ganpipe.data.prepare import prepare_dataset
 from ganpipe.params import DataParams, parse_params
 from ganpipe.strategies import STRATEGIES, Batch
@@ -348,6 +348,26 @@ for (arch, (model, size)), accum, name in itertools.product(MODELS.items(), (1, 
 if rank == 0:
     print("COUNTS " + json.dumps(counts))
     print("DIFFERENCES " + json.dumps(differences))
+
+class Scaled(torch.nn.Module):  # its backward reads a buffer, as cuDNN's BatchNorm does
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(3))
+        self.register_buffer("scale", torch.full((3,), 2.0 + rank))  # rank 0's must win
+        self.register_buffer("seen", torch.zeros(()))  # a running statistic, rank-local
+
+    def forward(self, x):
+        self.seen.add_(1 + rank)
+        return (x * self.weight * self.scale).sum()
+
+net = wrap(Scaled(), context, sync_batch_norm=False)
+(net(torch.ones(3)) + net(torch.ones(3))).backward()  # two forwards (reals, fakes), one backward
+scaled = unwrap(net)
+mine = [scaled.scale.tolist(), scaled.seen.item(), scaled.weight.grad.tolist()]
+gathered = [None, None]
+dist.all_gather_object(gathered, mine)
+if rank == 0:
+    print("BUFFERS " + json.dumps(gathered))
 dist.destroy_process_group()
 """
 
@@ -386,6 +406,11 @@ def test_frozen_network_triggers_no_all_reduce_and_accumulation_syncs_once(tmp_p
         diff < FLOAT_NOISE["resnet" if key.startswith("resnet/") else "dcgan"]
         for key, diff in differences.items()
     ), differences
+    # The buffers start as rank 0's and are not broadcast again before each forward (rank
+    # 1 keeps its own running statistic): that broadcast overwrote, in place, a buffer the
+    # first forward's backward reads (on CUDA, BatchNorm's running statistics).
+    rank0, rank1 = json.loads(lines["BUFFERS"])
+    assert rank0 == [[2.0] * 3, 2.0, [4.0] * 3] and rank1 == [[2.0] * 3, 4.0, [4.0] * 3]
 
 
 @pytest.mark.xdist_group("ddp_runs")

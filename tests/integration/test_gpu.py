@@ -100,6 +100,64 @@ def test_nccl_two_gpus_is_deterministic(tmp_path, norm):
     assert digests[0] == digests[1]
 
 
+def two_nodes_on_one_gpu(root, data, **sections):
+    """The multi-node recipe of docs/distributed.md on one GPU: two stages on loopback, one
+    process each (devices.nnodes 2), both on cuda:0, gloo between them.
+
+    Returns (the folder of the node that got global rank 0, its stderr, the other's stderr):
+    the c10d rendezvous numbers the nodes in the order they arrive, not by node_rank.
+    """
+    from tests.helpers import free_port, stage_env, write_project
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = []
+    for rank in (0, 1):
+        devices = {
+            "nnodes": 2,
+            "node_rank": rank,
+            "nproc_per_node": 1,
+            "rdzv_endpoint": endpoint,
+            "backend": "gloo",
+            "timeout_s": 120,
+        }
+        node = write_project(root / f"node{rank}", RAW, data, **sections, devices=devices)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stages.train"],
+            cwd=node,
+            env=stage_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        nodes.append((node, proc))
+    errs = {}
+    for node, proc in nodes:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        errs[node] = err
+    first = [node for node, err in errs.items() if "rank 0/2 joined (gloo on cuda:0)" in err]
+    other = [node for node, err in errs.items() if "rank 1/2 joined (gloo on cuda:0)" in err]
+    assert len(first) == len(other) == 1, list(errs.values())
+    return first[0], errs[first[0]], errs[other[0]]
+
+
+@pytest.mark.parametrize(("precision", "norm"), [("bf16", "batch"), ("fp16", "instance")])
+def test_ddp_on_cuda_two_ranks_sharing_one_gpu_over_gloo(tmp_path, precision, norm):
+    """DDP on CUDA tensors where one GPU is all there is (NCCL needs a GPU per rank): two
+    ranks on cuda:0 joined by gloo train, rank 0 alone writes, and a rerun gives the same
+    bytes. batch: cuDNN's BatchNorm under DDP (the buffers once broke its backward); fp16:
+    the GradScalers' found_inf all-reduced on the GPU."""
+    prepare_dataset(DataParams(), 0, tmp_path / "data", progress=False)
+    sections = {"precision": precision, "model": {"norm": norm}}
+    digests = []
+    for name in ("a", "b"):
+        main, main_err, _ = two_nodes_on_one_gpu(tmp_path / name, tmp_path / "data", **sections)
+        assert "training step: eager (DDP" in main_err, main_err[-3000:]  # not captured
+        assert [p.parent.name for p in (tmp_path / name).glob("*/models")] == [main.name]
+        digests.append(hashlib.sha256((main / "models/g_ema.pt").read_bytes()).hexdigest())
+    assert digests[0] == digests[1]
+
+
 NORM_WORKER = textwrap.dedent(
     """
     import json, os, sys
