@@ -50,6 +50,18 @@ def run_stage(root: Path, stage: str, timeout: float = 600) -> subprocess.Comple
     )
 
 
+def start_stage(root: Path, stage: str = "train") -> subprocess.Popen:
+    """``python -m stages.STAGE`` started in the project ``root``, output piped as text."""
+    return subprocess.Popen(
+        [sys.executable, "-m", f"stages.{stage}"],
+        cwd=root,
+        env=stage_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def sh(args: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
     """Run a command with the venv's tools first, DVC analytics off and a git identity."""
     env = {

@@ -167,12 +167,14 @@ def wrap(net: nn.Module, context: DistContext, sync_batch_norm: bool) -> nn.Modu
         net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
     device_ids = [context.device.index] if context.device.type == "cuda" else None
     # The buffers start as rank 0's (DDP's start-up sync), but DDP does not broadcast them
-    # again before every forward: on CUDA, cuDNN's BatchNorm keeps the running statistics
-    # for its backward, and a strategy that runs D twice before one backward found them
-    # overwritten in place on the other ranks (autograd's version check failed; found by
-    # tests/integration/test_gpu.py). No trained byte changes: training reads batch
-    # statistics, every rank updates spectral norm's vectors identically, and rank 0, the
-    # broadcast's source, is the one that saves its buffers and copies them into the EMA.
+    # again before every forward. On CUDA, cuDNN's BatchNorm keeps the running statistics
+    # for its backward, and a strategy runs D twice before one backward: with torch 2.11
+    # (the H100's build) the second forward's broadcast overwrote them in place on the
+    # other ranks and autograd's version check failed (tests/integration/test_gpu.py);
+    # torch 2.14 hides that write from autograd. No trained byte changes: training reads
+    # batch statistics, every rank updates spectral norm's vectors and ``_seen``
+    # identically, and rank 0, the broadcast's source, is the one that saves its buffers
+    # and copies them into the EMA.
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
         return DistributedDataParallel(net, device_ids=device_ids, forward_sync_buffers=False)
     for buffer in net.buffers():  # an older torch (2.11): the start-up sync by hand

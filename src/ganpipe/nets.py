@@ -243,9 +243,9 @@ class _SpectralNormPerWeight(_SpectralNorm):
     same step gave other bits when D saw reals before fakes, and a recomputation in
     backward (activation checkpointing) iterated again. Here a call iterates only when the
     weight differs from the one of the last iteration (``_seen``, a buffer: exact resume
-    and DDP's buffer broadcast keep it), so every call between two steps divides by the same
-    ``σ``. The test and the select run on the device, without a host sync. Costs one copy of
-    each spectrally normalised weight.
+    keeps it, and every DDP rank computes it alike), so every call between two steps
+    divides by the same ``σ``. The test and the select run on the device, without a host
+    sync. Costs one copy of each spectrally normalised weight.
     """
 
     def __init__(self, weight: torch.Tensor):

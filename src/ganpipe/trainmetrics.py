@@ -61,8 +61,9 @@ class Ruler:
         """``{FID: ..., KID: ...}`` of ``g_ema`` (eval mode, no gradients), on every rank.
 
         The main rank computes; the others wait in the broadcast of its result, which must
-        come within ``devices.timeout_s`` (:meth:`DistContext.wait_for_main`). The EMA is
-        the same on every rank, so this is one process's value.
+        come within ``devices.timeout_s`` (:meth:`DistContext.wait_for_main`). Only rank 0's
+        EMA is measured (another rank's has its own BatchNorm statistics), so this is one
+        process's value.
 
         Raises:
             WaitTimeoutError: on a rank other than 0, the measurement outlasted

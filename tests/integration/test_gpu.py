@@ -107,7 +107,7 @@ def two_nodes_on_one_gpu(root, data, **sections):
     Returns (the folder of the node that got global rank 0, its stderr, the other's stderr):
     the c10d rendezvous numbers the nodes in the order they arrive, not by node_rank.
     """
-    from tests.helpers import free_port, stage_env, write_project
+    from tests.helpers import free_port, start_stage, write_project
 
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = []
@@ -121,15 +121,7 @@ def two_nodes_on_one_gpu(root, data, **sections):
             "timeout_s": 120,
         }
         node = write_project(root / f"node{rank}", RAW, data, **sections, devices=devices)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "stages.train"],
-            cwd=node,
-            env=stage_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        nodes.append((node, proc))
+        nodes.append((node, start_stage(node)))
     errs = {}
     for node, proc in nodes:
         _, err = proc.communicate(timeout=600)
