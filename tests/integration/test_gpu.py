@@ -16,7 +16,7 @@ from ganpipe import loop, runtime
 from ganpipe.data.dataset import LmdbImageDataset
 from ganpipe.data.prepare import prepare_dataset
 from ganpipe.params import DataParams, parse_params
-from tests.helpers import graph_features
+from tests.helpers import free_port, graph_features, stage_env, start_stage, write_project
 
 pytestmark = pytest.mark.gpu
 # as the train stage does: cuBLAS reads it when CUDA first uses it (deterministic matmuls)
@@ -60,8 +60,6 @@ def test_cuda_training_is_deterministic(tmp_path, strategy, precision):
 
 
 def run_stage(root, **sections):
-    from tests.helpers import stage_env, write_project
-
     write_project(root, RAW, **sections)
     return subprocess.run(
         [sys.executable, "-m", "stages.train"],
@@ -107,8 +105,6 @@ def two_nodes_on_one_gpu(root, data, **sections):
     Returns (the folder of the node that got global rank 0, its stderr, the other's stderr):
     the c10d rendezvous numbers the nodes in the order they arrive, not by node_rank.
     """
-    from tests.helpers import free_port, start_stage, write_project
-
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = []
     for rank in (0, 1):
@@ -183,8 +179,6 @@ NORM_WORKER = textwrap.dedent(
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_sync_batch_wraps_syncbatchnorm_and_batch_does_not(tmp_path):
     """Under DDP, norm sync_batch has every BatchNorm of norm batch as SyncBatchNorm."""
-    from tests.helpers import stage_env
-
     script = tmp_path / "worker.py"
     script.write_text(NORM_WORKER)
     raw = json.loads(json.dumps(RAW))
