@@ -36,6 +36,10 @@ TINY = {
     "featurenet": {"epochs": 1},
     "eval": {"num_samples": 64, "kid_subset_size": 32, "kid_subsets": 5, "batch_size": 32},
 }
+#: Overrides of every experiment the e2e tests make: FID while training (train.metrics_kimg)
+#: is measured by the baseline's `dvc repro` (test_report reads its curves); in an experiment
+#: it would only cost time (at TINY's 0.064 a 6-kimg run measures FID 94 times).
+NO_TRAIN_METRICS = {"train.metrics_kimg": 0}
 
 
 @pytest.fixture(scope="session")

@@ -13,15 +13,14 @@ import yaml
 from PIL import Image
 
 from ganpipe.data.dataset import LmdbImageDataset
-from tests.e2e.conftest import TINY
+from tests.e2e.conftest import NO_TRAIN_METRICS, TINY
 from tests.helpers import TINY_RESNET, clone_working_tree, sh
 
 pytestmark = pytest.mark.slow
 
 STAGES = {"prepare", "featurenet", "train", "generate", "evaluate"}
-#: Set in every experiment: FID while training (train.metrics_kimg) is measured by the
-#: baseline's `dvc repro` already; in an experiment it would only cost time.
-NO_TRAIN_METRICS = ("-S", "train.metrics_kimg=0")
+#: ``-S`` arguments of conftest's NO_TRAIN_METRICS, set in every experiment.
+NO_TRAIN_METRICS_ARGS = tuple(a for k, v in NO_TRAIN_METRICS.items() for a in ("-S", f"{k}={v}"))
 #: The resnet family with a few channels per resolution (at the default widths its training
 #: costs more than the rest of the module): ``-S`` overrides of the int-keyed maps, merged
 #: into params.yaml's.
@@ -63,7 +62,7 @@ def test_repro_then_nothing_to_do_then_experiment(tiny_baseline, built):
     assert "up to date" in sh(["dvc", "status"], clone).stdout
 
     # a narrower feature network: every stage runs again at 16 px, for less
-    small = ["-S", "data.image_size=16", "-S", "featurenet.width=4", *NO_TRAIN_METRICS]
+    small = ["-S", "data.image_size=16", "-S", "featurenet.width=4", *NO_TRAIN_METRICS_ARGS]
     sh(["dvc", "exp", "run", *small, "--name", "small"], clone)
     shown = json.loads(sh(["dvc", "exp", "show", "--json"], clone).stdout)
     sizes, scores = {}, {}
@@ -102,7 +101,7 @@ def test_experiments_for_every_strategy_and_loss(built):
     # (The seed rides along with the first strategy: one `dvc exp run` fewer.)
     before = json.loads((clone / "metrics/eval/metrics.json").read_text())
     first = ("s-retain", ["-S", "seed=2", "-S", "train.strategy=d_first_retain"])
-    result = sh(["dvc", "exp", "run", "--name", first[0], *first[1], *NO_TRAIN_METRICS], clone)
+    result = sh(["dvc", "exp", "run", "--name", first[0], *first[1], *NO_TRAIN_METRICS_ARGS], clone)
     ran = {stage for stage in STAGES if f"Running stage '{stage}'" in result.stdout}
     assert ran == {"train", "generate", "evaluate"}, result.stdout
     after = json.loads((clone / "metrics/eval/metrics.json").read_text())
@@ -132,7 +131,9 @@ def test_experiments_for_every_strategy_and_loss(built):
         ),
     ]
     for name, overrides in runs:
-        result = sh(["dvc", "exp", "run", "--name", name, *overrides, *NO_TRAIN_METRICS], clone)
+        result = sh(
+            ["dvc", "exp", "run", "--name", name, *overrides, *NO_TRAIN_METRICS_ARGS], clone
+        )
         assert "Running stage 'train'" in result.stdout
         assert "Running stage 'prepare'" not in result.stdout  # data unchanged: cached
         assert "Running stage 'featurenet'" not in result.stdout  # same feature space
@@ -177,7 +178,7 @@ def test_experiment_with_two_processes(built):
             "devices.nproc_per_node=2",
             "-S",
             "model.norm=instance",
-            *NO_TRAIN_METRICS,
+            *NO_TRAIN_METRICS_ARGS,
         ],
         clone,
     )

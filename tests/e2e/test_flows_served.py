@@ -30,7 +30,7 @@ from PIL import Image
 
 from flows import service
 from ganpipe.params import read_yaml
-from tests.e2e.conftest import TINY, copy_project
+from tests.e2e.conftest import NO_TRAIN_METRICS, TINY, copy_project
 from tests.helpers import experiments, free_port, sh
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("served")]
@@ -347,6 +347,7 @@ def test_run_with_overrides_makes_an_experiment_with_those_params(served, projec
         "data.image_size": 16,
         "train.strategy": "g_first_detach",
         "model.g_channels.4": 24,  # an int-keyed map, overridden in place
+        **NO_TRAIN_METRICS,
     }
     run = run_and_wait(env, PIPELINE, {"overrides": overrides, "exp_name": "flow-small"})
     assert run.state.is_completed(), run.state.message
@@ -407,9 +408,10 @@ def test_a_flow_run_and_a_user_running_experiments_in_the_workspace(
     models were trained with (training is deterministic: one seed, one model)."""
     env, _ = served
     stop, log = project.parent / "stop-user-loop", project.parent / "user-loop.log"
+    no_metrics = " ".join(f"-S {key}={value}" for key, value in NO_TRAIN_METRICS.items())
     loop = (
         f"n=2; while [ ! -e {stop} ]; do "
-        "dvc exp run -S seed=$n --name user-$n && n=$((n+1)) || sleep 0.5; done"
+        f"dvc exp run -S seed=$n {no_metrics} --name user-$n && n=$((n+1)) || sleep 0.5; done"
     )
     user = subprocess.Popen(
         ["bash", "-c", loop],
@@ -462,7 +464,7 @@ def test_sweep_runs_in_parallel_retries_a_killed_experiment_and_ranks(served, pr
             "train.strategy": ["d_first_detach", "g_first_detach"],
             "train.lr_d": [2e-4, 1e-3],
         },
-        "base": {"seed": 1, "train.kimg": 0.256},
+        "base": {"seed": 1, "train.kimg": 0.256, **NO_TRAIN_METRICS},
         "metric": "loss.d",
         "sweep_name": "tiny",
         "parallel": 2,
@@ -518,7 +520,7 @@ def test_cancelling_a_sweep_stops_its_experiments_and_leaves_nothing(served, pro
     env, _ = served
     parameters = {
         "grid": {"train.lr_g": [3e-4, 4e-4, 5e-4]},
-        "base": {"seed": 1, "train.kimg": 40},
+        "base": {"seed": 1, "train.kimg": 40, **NO_TRAIN_METRICS},
         "sweep_name": "cancelled",
         "parallel": 2,
     }

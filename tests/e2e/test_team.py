@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from flows import service
-from tests.e2e.conftest import copy_project
+from tests.e2e.conftest import NO_TRAIN_METRICS, copy_project
 from tests.e2e.test_flows_served import (
     client,
     logs,
@@ -50,9 +50,9 @@ PIPELINE, EXPERIMENT, SWEEP = service.DEPLOYMENTS.values()
 CRASH_AFTER_S = 2 * service.HEARTBEAT_S
 GPUS = {"gpu0": "0", "gpu1": "1"}
 #: A short experiment: every stage reruns (new params) in ~10 s here.
-SHORT = {"seed": 1, "train.kimg": 0.256}
+SHORT = {"seed": 1, "train.kimg": 0.256, **NO_TRAIN_METRICS}
 #: An experiment long enough to be caught while it trains.
-LONG = {"seed": 1, "train.kimg": 40}
+LONG = {"seed": 1, "train.kimg": 40, **NO_TRAIN_METRICS}
 
 
 def postgres_bin() -> Path:
@@ -284,7 +284,7 @@ def worker_of(pid: int) -> str:
 def test_a_worker_that_dies_crashes_its_experiment_and_the_sweep_reports_it(team, runs_dir):
     env, state_dir = team
     grid = {"train.lr_g": [3e-4, 4e-4]}
-    base = {"seed": 1, "train.kimg": 6}
+    base = {"seed": 1, "train.kimg": 6, **NO_TRAIN_METRICS}
     started = start_run(env, SWEEP, sweep_parameters("lost", grid, base))
     deadline = time.monotonic() + 300
     while not (training := processes_in(runs_dir, "stages.train")):
@@ -355,7 +355,7 @@ def test_an_experiment_travels_to_another_clone_through_the_remotes(team, projec
     """A worker without the project runs an experiment; the user's clone lists and applies
     it, and another clone restores its outputs from the DVC remote without training."""
     env, _ = team
-    overrides = {"train.strategy": "g_first_detach", "train.lr_d": 5e-4}
+    overrides = {"train.strategy": "g_first_detach", "train.lr_d": 5e-4, **NO_TRAIN_METRICS}
     run = wait_final(
         env, start_run(env, EXPERIMENT, {"overrides": overrides, "exp_name": "travels"}).id
     )
