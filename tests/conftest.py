@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -38,6 +39,34 @@ REPO = Path(__file__).resolve().parents[1]
 # .state/prefect, which holds their server's database): removed when the session ends.
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="ganpipe-tests-prefect-")
 atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)
+
+
+#: Where a test's start is kept: CPU seconds of this process and of the children it reaped.
+_CPU_AT_START = pytest.StashKey[float]()
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU of this process and of every child process it has waited for."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_CPU_AT_START] = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test's CPU seconds, setup to teardown, as the JUnit property ``cpu_s`` (the machine
+    is CPU-bound under two xdist workers, so CPU, not wall time, says what a test costs;
+    ``python -m tools.testtimes`` sums it per module). It counts the processes the test
+    waited for: a server a module fixture started is counted in the test that stops it."""
+    outcome = yield
+    if call.when == "teardown" and _CPU_AT_START in item.stash:
+        cpu_s = _cpu_seconds() - item.stash[_CPU_AT_START]
+        outcome.get_result().user_properties.append(("cpu_s", f"{cpu_s:.2f}"))
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist has tagged the groups

@@ -2,8 +2,9 @@
 
 Inputs: the report of ``python -m pytest --junitxml=FILE`` (``make test`` passes pytest's
 options through ``PYTEST_ADDOPTS``), optionally a second one to compare with. Outputs: one
-row per test module (tests, skipped, the sum of its tests' times with setup and teardown, its
-longest test), the longest tests after it, on stdout.
+row per test module (tests, skipped, the sum of its tests' times with setup and teardown, the
+CPU seconds they used where the report has them (the ``cpu_s`` property of tests/conftest.py),
+its longest test), the longest tests after it, on stdout.
 Command: ``python -m tools.testtimes AFTER.xml [--before BEFORE.xml] [--longest N]``, e.g.
 ``PYTEST_ADDOPTS=--junitxml=/tmp/after.xml make test`` in a fresh clone, then
 ``python -m tools.testtimes /tmp/after.xml --before /tmp/before.xml``.
@@ -23,6 +24,7 @@ class Module:
     """The tests of one module in a report."""
 
     seconds: float = 0.0
+    cpu_s: float | None = None
     tests: int = 0
     skipped: int = 0
     longest: float = 0.0
@@ -37,6 +39,9 @@ def read_report(path: Path) -> tuple[dict[str, Module], float]:
         module = modules[case.get("classname", "").replace(".", "/") + ".py"]
         seconds = float(case.get("time", 0))
         module.seconds += seconds
+        cpu = case.find("properties/property[@name='cpu_s']")
+        if cpu is not None:
+            module.cpu_s = (module.cpu_s or 0.0) + float(cpu.get("value", 0))
         module.tests += 1
         module.skipped += case.find("skipped") is not None
         module.longest = max(module.longest, seconds)
@@ -47,20 +52,24 @@ def read_report(path: Path) -> tuple[dict[str, Module], float]:
 
 def table(after: dict[str, Module], before: dict[str, Module] | None) -> list[str]:
     """Markdown rows, the slowest module first."""
-    head = "| module | tests (skipped) | sum s | longest s |"
-    rule = "|---|---:|---:|---:|"
+    head = "| module | tests (skipped) | sum s | CPU s | longest s |"
+    rule = "|---|---:|---:|---:|---:|"
     if before is not None:
         head, rule = head + " before s |", rule + "---:|"
     rows = [head, rule]
     names = sorted(set(after) | set(before or {}), key=lambda m: -after.get(m, Module()).seconds)
     for name in names:
         mod = after.get(name, Module())
-        row = f"| {name} | {mod.tests} ({mod.skipped}) | {mod.seconds:.1f} | {mod.longest:.1f} |"
+        cpu = "" if mod.cpu_s is None else f"{mod.cpu_s:.1f}"
+        row = f"| {name} | {mod.tests} ({mod.skipped}) | {mod.seconds:.1f} | {cpu} |"
+        row += f" {mod.longest:.1f} |"
         if before is not None:
             row += f" {before.get(name, Module()).seconds:.1f} |"
         rows.append(row)
     total = sum(m.seconds for m in after.values())
-    last = f"| **all** | {sum(m.tests for m in after.values())} | {total:.1f} | |"
+    cpus = [m.cpu_s for m in after.values() if m.cpu_s is not None]
+    cpu = f"{sum(cpus):.1f}" if cpus else ""
+    last = f"| **all** | {sum(m.tests for m in after.values())} | {total:.1f} | {cpu} | |"
     if before is not None:
         last += f" {sum(m.seconds for m in before.values()):.1f} |"
     return [*rows, last]
