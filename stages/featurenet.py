@@ -1,7 +1,9 @@
 """featurenet: train the feature network of the evaluation metrics on the real data.
 
-Inputs: params ``devices``, ``determinism``, ``featurenet`` (``featurenet.seed``, not the
-training ``seed``: the feature network is part of the dataset's ruler); ``data/train.lmdb``,
+Inputs: params ``determinism``, ``featurenet`` (``featurenet.seed``, not the training
+``seed``: the feature network is part of the dataset's ruler) and of ``devices`` what chooses
+the device and threads (``accelerator``, ``gpus``, ``cpu_threads``: one process, so a change
+of the process count of the other stages keeps the ruler); ``data/train.lmdb``,
 ``data/val.lmdb`` (both verified against the checksums prepare wrote first,
 :func:`ganpipe.data.store.verify_lmdb`).
 Outputs: ``models/featurenet.pt`` (frozen weights), ``models/featurenet.sha256`` (their

@@ -1,6 +1,7 @@
 """generate: samples from the EMA generator — a grid, interpolations and exported PNGs.
 
-Inputs: params ``generate``, ``devices``, ``determinism``; ``models/g_ema.pt``.
+Inputs: params ``seed``, ``generate``, ``determinism`` and of ``devices`` what chooses the
+device and threads (``accelerator``, ``gpus``, ``cpu_threads``: one process); ``models/g_ema.pt``.
 Outputs: ``samples/grid.png`` (fixed-seed grid), ``samples/interpolation.png`` (latent
 interpolation strips), ``samples/images/NNNNNN.png`` (``generate.num_images`` samples for
 external tools). Files are written atomically, the folder is swapped in when complete.

@@ -166,7 +166,10 @@ def test_experiments_for_every_strategy_and_loss(built):
 
 
 def test_experiment_with_two_processes(built):
+    """Two training processes: featurenet and generate run one process and depend on the
+    device keys alone, so the ruler is not trained again and the FID is measured with it."""
     clone = built
+    before = json.loads((clone / "metrics/eval/metrics.json").read_text())
     result = sh(
         [
             "dvc",
@@ -183,6 +186,10 @@ def test_experiment_with_two_processes(built):
         clone,
     )
     assert "rank 1/2 joined (gloo on cpu)" in result.stdout + result.stderr
+    ran = {stage for stage in STAGES if f"Running stage '{stage}'" in result.stdout}
+    assert ran == {"train", "generate", "evaluate"}, result.stdout  # generate: a new g_ema
+    after = json.loads((clone / "metrics/eval/metrics.json").read_text())
+    assert after["ruler"] == before["ruler"]
     assert (clone / "models/g_ema.pt").exists()
     assert "up to date" in sh(["dvc", "status"], clone).stdout
 
