@@ -68,10 +68,14 @@ given twice is an error. Overrides given to the Prefect flows follow the same ru
 The **default** column is the schema's default: the value used when a key is left out of
 `params.yaml`. It is also the committed `params.yaml`'s value (the default run's
 configuration): `tests/unit/test_params.py` fails when the two differ in any key, so a
-missing key never silently means another value. `dvc params diff` and `dvc exp show` show
-what a run used. Every number has an upper bound (lengths and intervals in kimg at most
-1,000,000: a billion images), so a value like `1e308` is refused by name instead of
-overflowing mid-run.
+missing key never silently means another value. Under `dvc repro` DVC also reads the params
+dvc.yaml names per stage and stops (`Parameters '...' are missing from 'params.yaml'`) when
+one is absent: besides whole sections these are single keys (`devices.accelerator`,
+`devices.gpus`, `devices.cpu_threads`, `generate.grid_rows`, the `eval` keys of train's
+measurement), so keep them in the file even at their defaults. `dvc params diff` and
+`dvc exp show` show what a run used. Every number has an upper bound (lengths and intervals
+in kimg at most 1,000,000: a billion images), so a value like `1e308` is refused by name
+instead of overflowing mid-run.
 
 **The file itself.** `params.yaml` must be UTF-8 text (a Latin-1 or UTF-16 file is refused
 with the byte and line), a regular file of at most {max_kib} KiB (the committed one is about

@@ -167,7 +167,8 @@ def test_experiments_for_every_strategy_and_loss(built):
 
 def test_experiment_with_two_processes(built):
     """Two training processes: featurenet and generate run one process and depend on the
-    device keys alone, so the ruler is not trained again and the FID is measured with it."""
+    device keys alone, so featurenet does not run again (the stages DVC ran say so) and the
+    evaluation names the same ruler."""
     clone = built
     before = json.loads((clone / "metrics/eval/metrics.json").read_text())
     result = sh(

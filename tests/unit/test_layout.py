@@ -5,7 +5,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "src" / "ganpipe"
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "src" / "ganpipe"
 
 
 def module_name(path: Path) -> str:
@@ -50,3 +54,49 @@ def test_the_library_has_no_import_cycle():
 
     for name in sorted(graph):
         visit(name)
+
+
+#: Library modules a narrowly-depending stage may import without listing them in dvc.yaml,
+#: because they cannot change the bytes it writes: messages, atomic file writes and the params
+#: schema (the values are params.yaml's, which DVC tracks key by key); for prepare, which runs
+#: no torch, also the CPU pins (it reads only the CPU count: how many threads decode and hash).
+NOT_COMPUTING = {
+    "prepare": {"ganpipe.errors", "ganpipe.files", "ganpipe.params", "ganpipe.cpu"},
+    "featurenet": {"ganpipe.errors", "ganpipe.files", "ganpipe.params"},
+}
+
+
+def library_closure(entry: Path) -> set[str]:
+    """The ganpipe modules that ``entry`` imports at import time, directly or through others
+    (``from ganpipe.x import y`` reaches ``ganpipe.x``, and a package's ``__init__``)."""
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    found: set[str] = set()
+    todo = [entry]
+    while todo:
+        for name in imported_at_import_time(todo.pop(), set(paths)):
+            parts = name.split(".")
+            for end in range(2, len(parts) + 1):  # the packages on the way: ganpipe.data...
+                module = ".".join(parts[:end])
+                if module in paths and module not in found:
+                    found.add(module)
+                    todo.append(paths[module])
+    return found
+
+
+@pytest.mark.parametrize("stage", sorted(NOT_COMPUTING))
+def test_a_stage_that_lists_its_library_modules_lists_every_one_that_computes(stage):
+    """prepare and featurenet name the library modules they depend on one by one (so that a
+    change elsewhere in ganpipe does not rebuild the data or retrain the ruler): each module
+    they import that can change their bytes must be among them (``exact`` chooses the Adam
+    kernel of the feature network, for one), or DVC serves outputs of other code as cached."""
+    deps = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][stage]["deps"]
+    covered = [ROOT / dep for dep in deps]
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = library_closure(ROOT / "stages" / f"{stage}.py") - NOT_COMPUTING[stage] - {"ganpipe"}
+    assert "ganpipe.data.store" in modules  # the walk sees the stage's imports
+    missing = sorted(
+        name
+        for name in modules
+        if not any(paths[name] == c or c in paths[name].parents for c in covered)
+    )
+    assert missing == [], f"dvc.yaml's {stage} stage does not depend on {missing}"
