@@ -40,6 +40,8 @@ TINY = {
 #: is measured by the baseline's `dvc repro` (test_report reads its curves); in an experiment
 #: it would only cost time (at TINY's 0.064 a 6-kimg run measures FID 94 times).
 NO_TRAIN_METRICS = {"train.metrics_kimg": 0}
+#: The same as ``dvc exp run -S`` arguments.
+NO_TRAIN_METRICS_ARGS = tuple(a for k, v in NO_TRAIN_METRICS.items() for a in ("-S", f"{k}={v}"))
 
 
 @pytest.fixture(scope="session")

@@ -13,14 +13,12 @@ import yaml
 from PIL import Image
 
 from ganpipe.data.dataset import LmdbImageDataset
-from tests.e2e.conftest import NO_TRAIN_METRICS, TINY
+from tests.e2e.conftest import NO_TRAIN_METRICS_ARGS, TINY
 from tests.helpers import TINY_RESNET, clone_working_tree, sh
 
 pytestmark = pytest.mark.slow
 
 STAGES = {"prepare", "featurenet", "train", "generate", "evaluate"}
-#: ``-S`` arguments of conftest's NO_TRAIN_METRICS, set in every experiment.
-NO_TRAIN_METRICS_ARGS = tuple(a for k, v in NO_TRAIN_METRICS.items() for a in ("-S", f"{k}={v}"))
 #: The resnet family with a few channels per resolution (at the default widths its training
 #: costs more than the rest of the module): ``-S`` overrides of the int-keyed maps, merged
 #: into params.yaml's.

@@ -30,7 +30,7 @@ from PIL import Image
 
 from flows import service
 from ganpipe.params import read_yaml
-from tests.e2e.conftest import NO_TRAIN_METRICS, TINY, copy_project
+from tests.e2e.conftest import NO_TRAIN_METRICS, NO_TRAIN_METRICS_ARGS, TINY, copy_project
 from tests.helpers import experiments, free_port, sh
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("served")]
@@ -408,7 +408,7 @@ def test_a_flow_run_and_a_user_running_experiments_in_the_workspace(
     models were trained with (training is deterministic: one seed, one model)."""
     env, _ = served
     stop, log = project.parent / "stop-user-loop", project.parent / "user-loop.log"
-    no_metrics = " ".join(f"-S {key}={value}" for key, value in NO_TRAIN_METRICS.items())
+    no_metrics = " ".join(NO_TRAIN_METRICS_ARGS)
     loop = (
         f"n=2; while [ ! -e {stop} ]; do "
         f"dvc exp run -S seed=$n {no_metrics} --name user-$n && n=$((n+1)) || sleep 0.5; done"

@@ -12,9 +12,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "ganpipe"
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def module_name(path: Path, root: Path = PACKAGE.parent) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+#: The library's modules and the stages' entry points, by dotted name.
+LIBRARY = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+ENTRY_POINTS = {module_name(p, ROOT): p for p in (ROOT / "stages").glob("*.py")}
 
 
 def imported_at_import_time(path: Path, known: set[str]) -> set[str]:
@@ -35,8 +40,7 @@ def imported_at_import_time(path: Path, known: set[str]) -> set[str]:
 
 
 def test_the_library_has_no_import_cycle():
-    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    graph = {name: imported_at_import_time(path, set(paths)) for name, path in paths.items()}
+    graph = {name: imported_at_import_time(path, set(LIBRARY)) for name, path in LIBRARY.items()}
     graph = {name: {dep for dep in deps if dep != "ganpipe"} for name, deps in graph.items()}
     assert "ganpipe.runstate" in graph["ganpipe.loop"]  # the walk sees imports
     done, path = set(), []
@@ -68,19 +72,20 @@ NOT_COMPUTING = {
 
 def library_closure(entry: Path) -> set[str]:
     """The ganpipe modules that ``entry`` imports at import time, directly or through others
-    (``from ganpipe.x import y`` reaches ``ganpipe.x``, and a package's ``__init__``)."""
-    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    (``stages._cli`` too; ``from ganpipe.x import y`` reaches ``ganpipe.x``, and a package's
+    ``__init__``)."""
+    modules = {**LIBRARY, **ENTRY_POINTS}
     found: set[str] = set()
     todo = [entry]
     while todo:
-        for name in imported_at_import_time(todo.pop(), set(paths)):
+        for name in imported_at_import_time(todo.pop(), set(modules)):
             parts = name.split(".")
-            for end in range(2, len(parts) + 1):  # the packages on the way: ganpipe.data...
+            for end in range(1, len(parts) + 1):  # the packages on the way: ganpipe.data...
                 module = ".".join(parts[:end])
-                if module in paths and module not in found:
+                if module in modules and module not in found:
                     found.add(module)
-                    todo.append(paths[module])
-    return found
+                    todo.append(modules[module])
+    return found & set(LIBRARY)
 
 
 @pytest.mark.parametrize("stage", sorted(NOT_COMPUTING))
@@ -91,12 +96,11 @@ def test_a_stage_that_lists_its_library_modules_lists_every_one_that_computes(st
     kernel of the feature network, for one), or DVC serves outputs of other code as cached."""
     deps = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][stage]["deps"]
     covered = [ROOT / dep for dep in deps]
-    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     modules = library_closure(ROOT / "stages" / f"{stage}.py") - NOT_COMPUTING[stage] - {"ganpipe"}
     assert "ganpipe.data.store" in modules  # the walk sees the stage's imports
     missing = sorted(
         name
         for name in modules
-        if not any(paths[name] == c or c in paths[name].parents for c in covered)
+        if not any(LIBRARY[name] == c or c in LIBRARY[name].parents for c in covered)
     )
     assert missing == [], f"dvc.yaml's {stage} stage does not depend on {missing}"
