@@ -136,7 +136,7 @@ def test_portable_bits_are_the_same_on_an_emulated_cpu(tmp_path, few_digits, qem
 
 
 def test_native_bits_are_not(tmp_path, few_digits, qemu):
-    """The control: the native mode takes what each CPU offers (here AVX-512 against the
+    """The control: the native mode takes what each CPU offers (this CPU's widest ISA against the
     emulated AMD's AVX2, oneDNN's convolutions, MKL's per-vendor code), and its bits differ
     from the first trained weights on: the feature network is enough to show it (oneDNN's
     code runs slowly under emulation)."""
