@@ -80,14 +80,15 @@ def served(project, workspace_before, runs_dir, tmp_path_factory):
     worker (two runs at a time, so that a sweep's experiments can overlap) + the sweeps'
     worker, stopped at the end."""
     state_dir = tmp_path_factory.mktemp("state")
-    quick = {"PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "1"}
+    # The workers poll as make serve's do (service.QUERY_S): polling every second cost the
+    # server CPU the tests' stages need (docs/orchestration.md#one-worker-or-two).
     env = service.start(
         state_dir,
         free_port(),
         project=project,
         limit=2,
         start_within_s=START_WITHIN_S,
-        extra_env={**quick, "TMPDIR": str(runs_dir)},
+        extra_env={"TMPDIR": str(runs_dir)},
     )
     try:
         schedule(env, state_dir, PIPELINE)  # no run before the test of schedules sets one

@@ -178,7 +178,7 @@ def team(project, remotes, postgres, runs_dir, tmp_path_factory):
         database_url=postgres,
         local_worker=False,
         crash_after_s=CRASH_AFTER_S,
-        extra_env=QUICK | {"TMPDIR": str(runs_dir)},
+        extra_env={"TMPDIR": str(runs_dir)},
     )
     try:
         schedule(env, state_dir, PIPELINE)
@@ -190,11 +190,8 @@ def team(project, remotes, postgres, runs_dir, tmp_path_factory):
         service.stop(state_dir)
 
 
-QUICK = {"PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "1"}
-
-
 def start_gpu_worker(state_dir, env, name, gpu, runs_dir) -> None:
-    extra = QUICK | {"TMPDIR": str(runs_dir)}
+    extra = {"TMPDIR": str(runs_dir)}
     service.start_worker(state_dir, env, service.EXPERIMENTS, 1, gpu, name, extra)
 
 
