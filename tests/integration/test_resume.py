@@ -362,6 +362,8 @@ def with_header(payload: bytes) -> bytes:
     return checkpoint.MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
 
 
+# torch warns that the plain pickle below is not its own protocol: it is not, on purpose.
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
 def test_a_checkpoint_carrying_code_is_refused(tmp_path, caplog):
     run_dir = tmp_path / "run"
     save_checkpoint(STATE, run_dir, 32, keep=5)
