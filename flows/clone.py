@@ -184,42 +184,17 @@ def prepare(root: Path, commit: str | None, log: Callable[[str], None]) -> tuple
     sha = run(["git", "rev-parse", "HEAD"], root).strip()
     origin = Path(run(["git", "remote", "get-url", "origin"], root).strip())
     shared = (origin / ".dvc").is_dir()
-    if shared and (origin / ".dvc" / "config.local").is_file():  # remotes, their credentials
-        (root / ".dvc" / "config.local").write_bytes(
-            (origin / ".dvc" / "config.local").read_bytes()
-        )
-    # What `dvc cache dir --local` and `dvc config --local` write, through DVC's own config
-    # (in this process: each dvc command would cost most of a CPU second to start).
-    with dvc_errors(root), dvc_config(root).edit("local") as local:
-        if shared:
-            cache = dvc_config(origin)["cache"].get("dir") or origin / ".dvc" / "cache"
-            local["cache"]["dir"] = str(Path(origin, cache).resolve())
-        # DVC's update check is a detached daemon that would write into the clone later.
-        local["core"]["check_update"] = False
+    if shared:
+        cache = run(["dvc", "cache", "dir"], origin).strip().splitlines()[-1]
+        if (origin / ".dvc" / "config.local").is_file():  # remotes and their credentials
+            (root / ".dvc" / "config.local").write_bytes(
+                (origin / ".dvc" / "config.local").read_bytes()
+            )
+        run(["dvc", "cache", "dir", "--local", str((origin / cache).resolve())], root)
+    # DVC's update check is a detached daemon that would write into the clone after the run.
+    run(["dvc", "config", "--local", "core.check_update", "false"], root)
     log(f"clone of {origin} at {sha[:7]}, DVC cache {'shared' if shared else 'pulled'}")
     return sha, shared
-
-
-def dvc_config(root: Path):
-    """DVC's configuration of the project at ``root``, every level merged as its commands
-    read it (``.edit(level)``: a context that saves one level's settings, validated)."""
-    from dvc.config import Config
-
-    with dvc_errors(root):
-        return Config(dvc_dir=str(root / ".dvc"))
-
-
-@contextlib.contextmanager
-def dvc_errors(root: Path) -> Iterator[None]:
-    """A config file DVC refuses (of the project at ``root``) ends the block as
-    :class:`DvcCommandError` with DVC's message, as a ``dvc`` command's failure would."""
-    from dvc.config import ConfigError
-
-    try:
-        yield
-    except ConfigError as exc:
-        problem = f"ERROR: DVC's config in {root / '.dvc'}: {exc}"
-        raise DvcCommandError(["dvc", "config"], 1, problem) from None
 
 
 def restore_data(root: Path, params: Mapping[str, Any], shared: bool) -> None:
@@ -261,8 +236,10 @@ def make_experiment(
     write_params(root / "params.yaml", overrides)
     output = run(["dvc", "exp", "run", "-n", name, *([] if shared else ["--pull"])], root, log)
     stages = {m[2]: "cached" if m[3] else "ran" for m in STAGE_LINE.finditer(output)}
-    remote = dvc_config(root)["core"].get("remote")  # what `dvc remote default` prints
-    cache = ["--run-cache"] if remote else ["--no-cache"]
+    remote = subprocess.run(
+        [sys.executable, "-m", "dvc", "remote", "default"], cwd=root, capture_output=True
+    )
+    cache = ["--run-cache"] if remote.returncode == 0 and remote.stdout.strip() else ["--no-cache"]
     run(["dvc", "exp", "push", *cache, "origin", name], root, log)
     return stages
 

@@ -122,17 +122,6 @@ def test_an_experiment_is_made_in_a_clone_and_pushed_to_the_project(project):
     assert (project / "params.yaml").read_text() == "# the value\nvalue: 7\n"
 
 
-def test_a_dvc_config_that_dvc_refuses_stops_the_run_with_dvcs_message(project):
-    """The clone's DVC settings are written through DVC's config in the flow's process (not
-    `dvc config` commands): a config DVC refuses still ends the run with DVC's own words."""
-    (project / ".dvc" / "config.local").write_text("[core]\n    no_such_key = 1\n")
-    root = project.parent / "clone"
-    sh(["git", "clone", "-q", str(project), str(root)], project.parent)
-    with pytest.raises(DvcCommandError, match=r"DVC's config in .*no_such_key") as caught:
-        clone.prepare(root, None, print)
-    assert not caught.value.transient
-
-
 def test_unchanged_stages_come_from_the_shared_run_cache(project):
     root, stages = make(project, {}, "again")
     assert set(stages.values()) == {"cached"}
