@@ -45,6 +45,10 @@ PRIVATE_ENV = ("PREFECT_API_AUTH_STRING", "PREFECT_API_KEY", "PREFECT_API_URL")
 #: The mark the deployments' pull step leaves in a clone it made (prefect.yaml): only such a
 #: folder is removed when the run ends.
 CLONE_MARK = Path(".git") / "ganpipe-run-clone"
+#: What DVC writes into a clone, each the machine's own (DVC's .gitignore keeps them out of
+#: git): a commit that carries one as a symbolic link would have the run write the origin's
+#: remotes and credentials, DVC's settings, its cache or its temporaries where the link points.
+MACHINE_OWN = (".dvc", ".dvc/config.local", ".dvc/tmp", ".dvc/cache")
 #: How DVC reports what ``dvc exp run`` did with each stage.
 STAGE_LINE = re.compile(r"(Running stage|Stage) '([^']+)'( is cached| didn't change)?")
 
@@ -182,6 +186,13 @@ def prepare(root: Path, commit: str | None, log: Callable[[str], None]) -> tuple
     if run(["git", "rev-parse", "--is-shallow-repository"], root).strip() == "true":
         run(["git", "fetch", "-q", "--unshallow", "origin"], root)  # dvc exp needs history
     sha = run(["git", "rev-parse", "HEAD"], root).strip()
+    for path in MACHINE_OWN:  # DVC writes into them: never where a commit's link points
+        if (root / path).is_symlink():
+            problem = (
+                f"{sha[:7]} carries {path} as a symbolic link, and a run writes there; DVC "
+                f"keeps it out of git: git rm --cached {path} && git commit"
+            )
+            raise ParamsError("commit", [("commit", problem)])
     origin = Path(run(["git", "remote", "get-url", "origin"], root).strip())
     shared = (origin / ".dvc").is_dir()
     if shared:

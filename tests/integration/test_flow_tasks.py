@@ -122,6 +122,36 @@ def test_an_experiment_is_made_in_a_clone_and_pushed_to_the_project(project):
     assert (project / "params.yaml").read_text() == "# the value\nvalue: 7\n"
 
 
+@pytest.mark.parametrize("link", [".dvc/config.local", ".dvc/tmp", ".dvc"])
+def test_a_commit_carrying_dvcs_own_files_as_links_is_refused_before_any_write(project, link):
+    """The origin's remotes and credentials are copied into the clone's .dvc/config.local and
+    DVC writes its settings, cache and temporaries under .dvc: a commit whose entry there is a
+    link (force-added past DVC's .gitignore) would have the run write where it points."""
+    secret = "['remote \"store\"']\n    url = https://example.com/store\n    password = hunter2\n"
+    victim = project.parent / "victim"
+    victim.mkdir()
+    (victim / "config.local").write_text("the user's own file\n")
+    moved = project / link
+    kept = project.parent / "kept"
+    if moved.exists():
+        moved.rename(kept)
+    moved.symlink_to(victim if link != ".dvc/config.local" else victim / "config.local")
+    sh(["git", "add", "-f", link], project)
+    sh(["git", "commit", "-qm", "a link"], project)
+    moved.unlink()
+    if kept.exists():
+        kept.rename(moved)
+    (project / ".dvc" / "config.local").write_text(secret)  # the origin's own, as DVC keeps it
+    root = project.parent / "clone"
+    sh(["git", "clone", "-q", str(project), str(root)], project.parent)
+    assert (root / link).is_symlink()
+    with pytest.raises(ParamsError, match=f"carries {link} as a symbolic link") as caught:
+        clone.prepare(root, None, print)
+    assert f"git rm --cached {link}" in str(caught.value)
+    assert (victim / "config.local").read_text() == "the user's own file\n"
+    assert sorted(p.name for p in victim.iterdir()) == ["config.local"]
+
+
 def test_unchanged_stages_come_from_the_shared_run_cache(project):
     root, stages = make(project, {}, "again")
     assert set(stages.values()) == {"cached"}
